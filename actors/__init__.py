@@ -1,0 +1,1 @@
+"""Role actors (trainer, relay, rollout); installed as ``aurora.actors``."""

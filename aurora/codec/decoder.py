@@ -1,0 +1,242 @@
+"""Receiving and applying deltas: stage chunks, verify, then commit.
+
+A `DeltaReceiver` accepts chunks in any order, verifies each on arrival
+(digest, delta id, tensor and span, no duplicates), and when complete decodes
+them against a base into a `StagedDelta` of sparse patches. Committing writes
+the patches in place and checks every touched tensor's target digest; on any
+mismatch it restores the old bits and raises, so nothing is ever half-applied.
+
+Invariants: a receiver never changes the base while staging; a commit either
+leaves every target tensor bit-identical to the manifest's digests or leaves
+the tensors exactly as they were and raises `DeltaFormatError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from aurora.codec import kernels
+from aurora.codec.format import Chunk, ChunkKind, Manifest, chunk_range, unpack_chunk
+from aurora.codec.weights import TensorBits, Weights
+from aurora.errors import DeltaFormatError
+
+_ERRORS = {
+    kernels.ERR_OVERFLOW: "output overflow",
+    kernels.ERR_TRUNCATED: "body is truncated",
+    kernels.ERR_RANGE: "a coded position or value is out of range",
+    kernels.ERR_LEFTOVER: "coded positions do not fit this base (wrong base?)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """New bits for one span of one tensor: scattered (``idx``) or contiguous from ``start``."""
+
+    name: str
+    start: int
+    idx: np.ndarray | None
+    new: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return int(self.new.size)
+
+
+class DeltaReceiver:
+    """Stages the chunks of one delta; see the module docstring for the rules."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._chunks: dict[tuple[int, int], Chunk] = {}
+        self.bytes_received = 0
+
+    @property
+    def expected(self) -> int:
+        return self.manifest.n_chunks
+
+    @property
+    def complete(self) -> bool:
+        return len(self._chunks) == self.expected
+
+    def missing(self) -> list[tuple[int, int]]:
+        return [
+            (ti, ci)
+            for ti, t in enumerate(self.manifest.tensors)
+            for ci in range(t.n_chunks)
+            if (ti, ci) not in self._chunks
+        ]
+
+    def has(self, tensor_index: int, chunk_index: int) -> bool:
+        return (tensor_index, chunk_index) in self._chunks
+
+    def add(self, data: bytes | bytearray | memoryview) -> Chunk:
+        """Verify and stage one packed chunk; raises `DeltaFormatError` and stages nothing on error."""
+        c = unpack_chunk(data)
+        h = c.header
+        m = self.manifest
+        where = f"chunk (tensor {h.tensor_index}, chunk {h.chunk_index})"
+        if h.delta_id != m.delta_id:
+            raise DeltaFormatError(f"{where} belongs to another delta (delta id mismatch)")
+        if h.tensor_index >= len(m.tensors):
+            raise DeltaFormatError(f"{where}: the manifest has only {len(m.tensors)} tensors")
+        entry = m.tensors[h.tensor_index]
+        if h.chunk_index >= entry.n_chunks:
+            raise DeltaFormatError(f"{where}: tensor {entry.name!r} has only {entry.n_chunks} chunks")
+        if (h.start, h.stop) != chunk_range(entry.numel, entry.dtype, h.chunk_index) or h.dtype != entry.dtype:
+            raise DeltaFormatError(f"{where}: span or dtype does not match tensor {entry.name!r}")
+        if m.is_snapshot and h.kind is not ChunkKind.RAW:
+            raise DeltaFormatError(f"{where}: a snapshot holds only raw chunks")
+        if h.kind is ChunkKind.DELTA and h.transform is not m.transform:
+            raise DeltaFormatError(f"{where}: transform differs from the manifest's")
+        key = (h.tensor_index, h.chunk_index)
+        if key in self._chunks:
+            raise DeltaFormatError(f"{where} arrived twice")
+        # Own the bytes: the caller's buffer may be reused.
+        owned = Chunk(h, memoryview(bytes(c.body)))
+        self._chunks[key] = owned
+        self.bytes_received += c.nbytes
+        return owned
+
+    def add_all(self, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+        for c in chunks:
+            self.add(c)
+
+    def stage(self, base: Weights | None, *, base_checked: bool = False) -> StagedDelta:
+        """Decode every chunk against ``base`` (unchanged) into patches.
+
+        Checks the base's tensor digests first unless ``base_checked`` (the caller
+        already knows its version digest equals the manifest's base digest).
+        """
+        m = self.manifest
+        if not self.complete:
+            miss = self.missing()
+            raise DeltaFormatError(f"delta is incomplete: {len(miss)} of {self.expected} chunks missing, e.g. {miss[:3]}")
+        if not m.is_snapshot:
+            if base is None:
+                raise DeltaFormatError(f"delta v{m.base_version}->v{m.target_version} needs a base")
+            _check_base(m, base, base_checked)
+        patches: list[Patch] = []
+        for (ti, _ci), c in sorted(self._chunks.items()):
+            entry = m.tensors[ti]
+            patch = decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
+            if patch is not None:
+                patches.append(patch)
+        return StagedDelta(m, patches)
+
+
+def _check_base(m: Manifest, base: Weights, base_checked: bool) -> None:
+    names = [t.name for t in m.tensors]
+    if list(base) != names:
+        raise DeltaFormatError(
+            f"base does not match delta v{m.base_version}->v{m.target_version}: tensor names differ"
+        )
+    for t in m.tensors:
+        b = base[t.name]
+        if b.dtype != t.dtype or b.shape != t.shape:
+            raise DeltaFormatError(
+                f"tensor {t.name!r}: delta expects {t.dtype.name}{list(t.shape)}, base has {b.dtype.name}{list(b.shape)}"
+            )
+    if base_checked:
+        return
+    digests = base.tensor_digests()
+    for t in m.tensors:
+        if digests[t.name] != t.base_digest:
+            raise DeltaFormatError(
+                f"wrong base for delta v{m.base_version}->v{m.target_version}: tensor {t.name!r} differs from its base"
+            )
+
+
+def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
+    """One chunk's patch (``None`` when it changes nothing)."""
+    h = c.header
+    d = h.dtype
+    if h.kind is ChunkKind.RAW:
+        new = np.frombuffer(c.body, dtype=d.uint).copy()
+        return Patch(name, h.start, None, new)
+    if h.n_changed == 0:
+        return None
+    assert base is not None
+    b = base.bits[h.start : h.stop]
+    src = np.frombuffer(c.body, dtype=np.uint8)
+    status, first, ranks, vals = kernels.decode_body(src, h.n_changed, h.stop - h.start, d.n_buckets, d.width, int(h.transform))
+    if status == 0:
+        status, idx, new = kernels.locate(b, d.exp_shift, d.exp_mask, first, ranks, vals, h.n_changed, d.width, int(h.transform))
+    if status != 0:
+        raise DeltaFormatError(f"chunk (tensor {h.tensor_index}, chunk {h.chunk_index}) of {name!r}: {_ERRORS[-status]}")
+    idx += h.start
+    return Patch(name, h.start, idx, new)
+
+
+@dataclass(slots=True)
+class StagedDelta:
+    """Decoded, verified-so-far patches, ready to commit."""
+
+    manifest: Manifest
+    patches: list[Patch]
+
+    @property
+    def n_changed(self) -> int:
+        return sum(p.n for p in self.patches if p.idx is not None)
+
+    def touched(self) -> set[str]:
+        return {p.name for p in self.patches}
+
+    def commit(self, weights: Weights) -> set[str]:
+        """Apply in place; verify digests; restore and raise on mismatch. Returns touched names."""
+        m = self.manifest
+        undo: list[tuple[Patch, np.ndarray]] = []
+        try:
+            for p in self.patches:
+                dst = weights[p.name].bits
+                if p.idx is None:
+                    old = dst[p.start : p.start + p.n].copy()
+                    dst[p.start : p.start + p.n] = p.new
+                else:
+                    old = np.empty_like(p.new)
+                    kernels.scatter(dst, p.idx, p.new, old)
+                undo.append((p, old))
+            weights.forget_digests()
+            digests = weights.tensor_digests()
+            bad = [t.name for t in m.tensors if digests[t.name] != t.target_digest]
+            if bad:
+                raise DeltaFormatError(
+                    f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors differ from the "
+                    f"target digests (first: {bad[0]!r}); the base was restored"
+                )
+        except BaseException:
+            for p, old in reversed(undo):
+                dst = weights[p.name].bits
+                if p.idx is None:
+                    dst[p.start : p.start + p.n] = old
+                else:
+                    dst[p.idx] = old
+            weights.forget_digests()
+            raise
+        return self.touched()
+
+
+def receive(manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> DeltaReceiver:
+    r = DeltaReceiver(manifest)
+    r.add_all(chunks)
+    return r
+
+
+def apply_in_place(weights: Weights, manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> set[str]:
+    """Stage, verify and commit a whole delta into ``weights``; all-or-nothing."""
+    return receive(manifest, chunks).stage(weights).commit(weights)
+
+
+def apply(base: Weights | None, manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> Weights:
+    """A new weight set: ``base`` with the delta applied (``base`` is not modified)."""
+    staged = receive(manifest, chunks).stage(base)
+    if base is None:
+        out = Weights(
+            {t.name: TensorBits(t.dtype, t.shape, np.zeros(t.numel, t.dtype.uint)) for t in manifest.tensors}
+        )
+    else:
+        out = base.copy()
+    staged.commit(out)
+    return out

@@ -1,0 +1,193 @@
+"""Encoding one weight version into the next as a streamed delta.
+
+`encode_stream` returns the manifest first (all digests are known before any
+chunk is coded) and then yields chunks tensor by tensor, span by span, so a
+sender can start before encoding ends. Each chunk is independently checkable
+(its own digest) and independently applicable (its span of one tensor).
+
+Invariants: a coded body is never larger than the span's raw bytes (the
+encoder falls back to a RAW chunk), so every chunk is <= MAX_CHUNK_BYTES; a
+snapshot (no base) is a delta made only of RAW chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aurora.codec import kernels
+from aurora.codec.format import (
+    ChunkHeader,
+    ChunkKind,
+    Manifest,
+    TensorEntry,
+    Transform,
+    chunk_range,
+    delta_id_for,
+    pack_chunk,
+)
+from aurora.codec.weights import TensorBits, Weights
+from aurora.errors import DeltaFormatError
+
+SNAPSHOT_THRESHOLD = 0.9
+"""A delta at or above this fraction of the snapshot's bytes is not worth it."""
+
+
+def check_compatible(base: Weights, target: Weights) -> None:
+    """Same names, dtypes and shapes; raise `DeltaFormatError` naming the first mismatch."""
+    if list(base) != list(target):
+        extra = sorted(set(target) - set(base))
+        missing = sorted(set(base) - set(target))
+        raise DeltaFormatError(f"tensor names differ: only in target {extra[:5]}, only in base {missing[:5]}")
+    for name in base:
+        b, t = base[name], target[name]
+        if b.dtype != t.dtype or b.shape != t.shape:
+            raise DeltaFormatError(
+                f"tensor {name!r}: base is {b.dtype.name}{list(b.shape)}, target is {t.dtype.name}{list(t.shape)}"
+            )
+
+
+def make_manifest(base: Weights | None, target: Weights, base_version: int | None, target_version: int,
+                  transform: Transform = Transform.SUB) -> Manifest:  # fmt: skip
+    if base is not None:
+        check_compatible(base, target)
+    bd = base.tensor_digests() if base is not None else None
+    td = target.tensor_digests()
+    base_digest = base.digest() if base is not None else None
+    target_digest = target.digest()
+    if base is not None and base_version is None:
+        raise DeltaFormatError("a delta with a base needs a base version")
+    entries = tuple(
+        TensorEntry(name, tb.dtype, tb.shape, bd[name] if bd is not None else None, td[name])
+        for name, tb in target.items()
+    )
+    return Manifest(
+        delta_id=delta_id_for(base_version if base is not None else None, target_version, base_digest, target_digest),
+        base_version=base_version if base is not None else None,
+        target_version=target_version,
+        base_digest=base_digest,
+        target_digest=target_digest,
+        transform=transform,
+        tensors=entries,
+    )
+
+
+def encode_span(
+    base: TensorBits | None, target: TensorBits, start: int, stop: int, transform: Transform
+) -> tuple[ChunkKind, int, bytes | memoryview]:
+    """Code one span; returns (kind, n_changed, body)."""
+    t = target.bits[start:stop]
+    raw_bytes = t.nbytes
+    if base is None:
+        return ChunkKind.RAW, stop - start, t.view(np.uint8).data
+    b = base.bits[start:stop]
+    d = target.dtype
+    idx, rank, buck, step = kernels.find_changes(b, t, d.exp_shift, d.exp_mask, d.width, int(transform))
+    n = int(idx.size)
+    if n == 0:
+        return ChunkKind.DELTA, 0, b""
+    out = np.empty(raw_bytes, np.uint8)
+    written = int(kernels.encode_body(rank, buck, step, d.n_buckets, d.width, int(transform), out))
+    if written < 0 or written >= raw_bytes:
+        return ChunkKind.RAW, n, t.view(np.uint8).data
+    return ChunkKind.DELTA, n, out[:written].data
+
+
+@dataclass(slots=True)
+class EncodeStats:
+    """What one encoding produced (filled in as chunks are yielded)."""
+
+    chunks: int = 0
+    changed: int = 0
+    elements: int = 0
+    bytes: int = 0
+    raw_chunks: int = 0
+    weight_bytes: int = 0
+    per_chunk: list[tuple[int, int, ChunkKind, int, int]] = field(default_factory=list)
+    """(tensor_index, chunk_index, kind, n_changed, chunk bytes)."""
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    @property
+    def bytes_per_changed(self) -> float:
+        return self.bytes / self.changed if self.changed else 0.0
+
+
+def iter_chunks(
+    manifest: Manifest, base: Weights | None, target: Weights, stats: EncodeStats | None = None
+) -> Iterator[bytes]:
+    """Yield the packed chunks of ``manifest`` in tensor order (each <= MAX_CHUNK_BYTES)."""
+    for ti, entry in enumerate(manifest.tensors):
+        tgt = target[entry.name]
+        src = base[entry.name] if base is not None else None
+        for ci in range(entry.n_chunks):
+            start, stop = chunk_range(entry.numel, entry.dtype, ci)
+            kind, n, body = encode_span(src, tgt, start, stop, manifest.transform)
+            tr = Transform.NONE if kind is ChunkKind.RAW else manifest.transform
+            h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
+            packed = pack_chunk(h, body)
+            if stats is not None:
+                stats.chunks += 1
+                stats.changed += n if src is not None else 0
+                stats.elements += stop - start
+                stats.bytes += len(packed)
+                stats.raw_chunks += kind is ChunkKind.RAW
+                stats.weight_bytes += (stop - start) * entry.dtype.itemsize
+                stats.per_chunk.append((ti, ci, kind, n, len(packed)))
+            yield packed
+
+
+def encode_stream(
+    base: Weights | None,
+    target: Weights,
+    *,
+    base_version: int | None,
+    target_version: int,
+    transform: Transform = Transform.SUB,
+    stats: EncodeStats | None = None,
+) -> tuple[Manifest, Iterator[bytes]]:
+    """Manifest now, chunks lazily. ``base=None`` makes a snapshot."""
+    m = make_manifest(base, target, base_version, target_version, transform)
+    return m, iter_chunks(m, base, target, stats)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A whole delta in memory: manifest plus its packed chunks."""
+
+    manifest: Manifest
+    chunks: tuple[bytes, ...]
+    stats: EncodeStats
+
+    @property
+    def nbytes(self) -> int:
+        from aurora.codec.format import pack_manifest
+
+        return len(pack_manifest(self.manifest)) + sum(len(c) for c in self.chunks)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.stats.weight_bytes
+
+    @property
+    def prefer_snapshot(self) -> bool:
+        """True when a full snapshot would cost about as much as this delta (density threshold)."""
+        return not self.manifest.is_snapshot and self.nbytes >= SNAPSHOT_THRESHOLD * self.snapshot_bytes
+
+
+def encode(
+    base: Weights | None,
+    target: Weights,
+    *,
+    base_version: int | None,
+    target_version: int,
+    transform: Transform = Transform.SUB,
+) -> Delta:
+    stats = EncodeStats()
+    m, it = encode_stream(base, target, base_version=base_version, target_version=target_version,
+                          transform=transform, stats=stats)  # fmt: skip
+    return Delta(m, tuple(it), stats)

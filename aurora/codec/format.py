@@ -1,0 +1,269 @@
+"""Wire layout of delta format v1: the manifest and the chunk (docs/delta-format.md).
+
+Pure packing and unpacking with full validation: anything read from the wire is
+checked here (magic, version, lengths, digests, field ranges) and a violation
+raises `DeltaFormatError` naming what is wrong. Nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from aurora.codec.digest import DIGEST_BYTES, digest_bytes
+from aurora.codec.dtypes import BY_CODE, BY_NAME, DType
+from aurora.errors import DeltaFormatError
+
+FORMAT_VERSION = 1
+CHUNK_MAGIC = b"AUDC"
+MANIFEST_MAGIC = b"AUDM"
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+"""Upper bound of one encoded chunk, header included (the issue's 4 MiB)."""
+CHUNK_SPAN_BYTES = MAX_CHUNK_BYTES - 4096
+"""Raw bytes of tensor data one chunk covers; a coded body never exceeds the raw
+bytes (the encoder falls back to RAW), so header + body <= MAX_CHUNK_BYTES."""
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+
+# <magic 4s><version H><kind B><transform B><dtype B><flags B><reserved H>
+# <tensor_index I><chunk_index I><start Q><stop Q><n_changed Q><body_len I>
+# <delta_id 16s>  ... then <digest 16s> over everything before it plus the body.
+_HEAD = struct.Struct("<4sHBBBBHIIQQQI16s")
+HEADER_BYTES = _HEAD.size + DIGEST_BYTES  # 80
+
+
+class ChunkKind(enum.IntEnum):
+    DELTA = 0  # coded changes against the base
+    RAW = 1  # the target's bits for the span, verbatim
+
+
+class Transform(enum.IntEnum):
+    NONE = 0  # RAW chunks
+    XOR = 1  # value = target ^ base
+    SUB = 2  # value = (target - base) mod 2**width, as sign + magnitude
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    kind: ChunkKind
+    transform: Transform
+    dtype: DType
+    tensor_index: int
+    chunk_index: int
+    start: int
+    stop: int
+    n_changed: int
+    body_len: int
+    delta_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    header: ChunkHeader
+    body: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.header.body_len
+
+
+def pack_chunk(h: ChunkHeader, body: bytes | memoryview) -> bytes:
+    head = _HEAD.pack(
+        CHUNK_MAGIC, FORMAT_VERSION, h.kind, h.transform, h.dtype.code, 0, 0,
+        h.tensor_index, h.chunk_index, h.start, h.stop, h.n_changed, len(body), h.delta_id,
+    )  # fmt: skip
+    return b"".join((head, digest_bytes(head, body), body))
+
+
+def unpack_chunk(data: bytes | bytearray | memoryview) -> Chunk:
+    """Parse and verify one chunk (magic, version, lengths, digest, field ranges)."""
+    mv = memoryview(data).cast("B")
+    if len(mv) < HEADER_BYTES:
+        raise DeltaFormatError(f"chunk truncated: {len(mv)} bytes, header alone is {HEADER_BYTES}")
+    if len(mv) > MAX_CHUNK_BYTES:
+        raise DeltaFormatError(f"chunk of {len(mv)} bytes exceeds the {MAX_CHUNK_BYTES}-byte limit")
+    (magic, version, kind, transform, dcode, _flags, _res, ti, ci, start, stop, n_changed, blen, did) = (
+        _HEAD.unpack_from(mv, 0)
+    )
+    if magic != CHUNK_MAGIC:
+        raise DeltaFormatError(f"not a delta chunk (magic {bytes(magic)!r})")
+    if version != FORMAT_VERSION:
+        raise DeltaFormatError(f"chunk format version {version} is not supported (this build reads {FORMAT_VERSION})")
+    if len(mv) != HEADER_BYTES + blen:
+        raise DeltaFormatError(f"chunk length {len(mv)} does not match its header (body {blen} bytes)")
+    if digest_bytes(mv[: _HEAD.size], mv[HEADER_BYTES:]) != bytes(mv[_HEAD.size : HEADER_BYTES]):
+        raise DeltaFormatError(f"chunk (tensor {ti}, chunk {ci}) is corrupt: digest mismatch")
+    try:
+        k, tr, dt = ChunkKind(kind), Transform(transform), BY_CODE[dcode]
+    except (ValueError, KeyError):
+        raise DeltaFormatError(f"chunk (tensor {ti}, chunk {ci}) has an unknown kind/transform/dtype") from None
+    if stop < start or n_changed > stop - start:
+        raise DeltaFormatError(f"chunk (tensor {ti}, chunk {ci}) has an impossible range")
+    if k is ChunkKind.RAW and (tr is not Transform.NONE or blen != (stop - start) * dt.itemsize):
+        raise DeltaFormatError(f"raw chunk (tensor {ti}, chunk {ci}) has a wrong body length")
+    if k is ChunkKind.DELTA and (tr is Transform.NONE or (n_changed == 0) != (blen == 0)):
+        raise DeltaFormatError(f"delta chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
+    h = ChunkHeader(k, tr, dt, ti, ci, start, stop, n_changed, blen, bytes(did))
+    return Chunk(h, mv[HEADER_BYTES:])
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    base_digest: bytes | None
+    target_digest: bytes
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def n_chunks(self) -> int:
+        return chunk_count(self.numel, self.dtype)
+
+
+def span_elements(dtype: DType) -> int:
+    return CHUNK_SPAN_BYTES // dtype.itemsize
+
+
+def chunk_count(numel: int, dtype: DType) -> int:
+    span = span_elements(dtype)
+    return (numel + span - 1) // span
+
+
+def chunk_range(numel: int, dtype: DType, index: int) -> tuple[int, int]:
+    span = span_elements(dtype)
+    return index * span, min(numel, (index + 1) * span)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What a delta is: from which version to which, and every target tensor's digest."""
+
+    delta_id: bytes
+    base_version: int | None
+    target_version: int
+    base_digest: bytes | None
+    target_digest: bytes
+    transform: Transform
+    tensors: tuple[TensorEntry, ...]
+
+    @property
+    def is_snapshot(self) -> bool:
+        return self.base_version is None and self.base_digest is None
+
+    @property
+    def n_chunks(self) -> int:
+        return sum(t.n_chunks for t in self.tensors)
+
+    def index_of(self, name: str) -> int:
+        for i, t in enumerate(self.tensors):
+            if t.name == name:
+                return i
+        raise KeyError(name)
+
+
+def delta_id_for(base_version: int | None, target_version: int, base_digest: bytes | None, target_digest: bytes) -> bytes:
+    return digest_bytes(
+        b"aurora-delta/1",
+        struct.pack("<qq", -1 if base_version is None else base_version, target_version),
+        base_digest or bytes(DIGEST_BYTES),
+        target_digest,
+    )
+
+
+def pack_manifest(m: Manifest) -> bytes:
+    body = msgpack.packb(
+        {
+            "delta_id": m.delta_id,
+            "base_version": m.base_version,
+            "target_version": m.target_version,
+            "base_digest": m.base_digest,
+            "target_digest": m.target_digest,
+            "transform": m.transform.name.lower(),
+            "chunk_span_bytes": CHUNK_SPAN_BYTES,
+            "tensors": [[t.name, t.dtype.name, list(t.shape), t.base_digest, t.target_digest] for t in m.tensors],
+        },
+        use_bin_type=True,
+    )
+    head = MANIFEST_MAGIC + struct.pack("<HI", FORMAT_VERSION, len(body))
+    return b"".join((head, body, digest_bytes(head, body)))
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise DeltaFormatError(f"manifest is malformed: {what}")
+
+
+def _digest_field(v: object, what: str, *, optional: bool = False) -> bytes | None:
+    if v is None and optional:
+        return None
+    _need(isinstance(v, bytes) and len(v) == DIGEST_BYTES, f"{what} must be {DIGEST_BYTES} bytes")
+    assert isinstance(v, bytes)
+    return v
+
+
+def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
+    mv = memoryview(data).cast("B")
+    if len(mv) < 10 + DIGEST_BYTES or bytes(mv[:4]) != MANIFEST_MAGIC:
+        raise DeltaFormatError("not a delta manifest (bad magic or too short)")
+    version, blen = struct.unpack_from("<HI", mv, 4)
+    if version != FORMAT_VERSION:
+        raise DeltaFormatError(f"manifest format version {version} is not supported (this build reads {FORMAT_VERSION})")
+    if blen > MAX_MANIFEST_BYTES or len(mv) != 10 + blen + DIGEST_BYTES:
+        raise DeltaFormatError(f"manifest length {len(mv)} does not match its header ({blen}-byte body)")
+    if digest_bytes(mv[:10], mv[10 : 10 + blen]) != bytes(mv[10 + blen :]):
+        raise DeltaFormatError("manifest is corrupt: digest mismatch")
+    try:
+        d = msgpack.unpackb(mv[10 : 10 + blen], raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise DeltaFormatError(f"manifest body is not valid msgpack: {e}") from None
+    _need(isinstance(d, dict), "body is not a map")
+    want = {"delta_id", "base_version", "target_version", "base_digest", "target_digest", "transform",
+            "chunk_span_bytes", "tensors"}  # fmt: skip
+    _need(set(d) == want, f"fields {sorted(set(d) ^ want)} missing or unexpected")
+    _need(d["chunk_span_bytes"] == CHUNK_SPAN_BYTES, f"chunk span {d['chunk_span_bytes']} != {CHUNK_SPAN_BYTES}")
+    bv, tv = d["base_version"], d["target_version"]
+    _need(bv is None or (isinstance(bv, int) and bv >= 0), "base_version must be a non-negative int or nil")
+    _need(isinstance(tv, int) and tv >= 0, "target_version must be a non-negative int")
+    _need(d["transform"] in ("xor", "sub"), "transform must be 'xor' or 'sub'")
+    tensors: list[TensorEntry] = []
+    rows = d["tensors"]
+    _need(isinstance(rows, list) and len(rows) <= MAX_TENSORS, "tensors must be a list")
+    for i, row in enumerate(rows):
+        _need(isinstance(row, list) and len(row) == 5, f"tensors[{i}] must have 5 fields")
+        name, dname, shape, bd, td = row
+        _need(isinstance(name, str) and bool(name), f"tensors[{i}].name must be a non-empty string")
+        _need(dname in BY_NAME, f"tensors[{i}].dtype {dname!r} is unknown")
+        _need(isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape), f"tensors[{i}].shape")
+        tensors.append(
+            TensorEntry(
+                name, BY_NAME[dname], tuple(shape),
+                _digest_field(bd, f"tensors[{i}].base_digest", optional=True),
+                _digest_field(td, f"tensors[{i}].target_digest") or b"",
+            )
+        )  # fmt: skip
+    names = [t.name for t in tensors]
+    _need(names == sorted(set(names)), "tensor names must be unique and sorted")
+    m = Manifest(
+        delta_id=_digest_field(d["delta_id"], "delta_id") or b"",
+        base_version=bv,
+        target_version=tv,
+        base_digest=_digest_field(d["base_digest"], "base_digest", optional=True),
+        target_digest=_digest_field(d["target_digest"], "target_digest") or b"",
+        transform=Transform.XOR if d["transform"] == "xor" else Transform.SUB,
+        tensors=tuple(tensors),
+    )
+    _need(m.delta_id == delta_id_for(bv, tv, m.base_digest, m.target_digest), "delta_id does not match versions")
+    _need((bv is None) == (m.base_digest is None), "base_version and base_digest must both be set or both nil")
+    if m.base_digest is None:
+        _need(all(t.base_digest is None for t in tensors), "a snapshot has no base tensor digests")
+    return m

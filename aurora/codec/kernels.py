@@ -1,0 +1,560 @@
+"""Compiled inner loops of the delta codec (numba, nopython, GIL released).
+
+Everything here works on flat arrays of *raw bit patterns* (``uint8``/``uint16``/
+``uint32``/``uint64``) and never on float values, so the codec is exact by
+construction. The Python layer (`aurora.codec.encoder` / `decoder`) does all
+validation of untrusted input before it reaches these functions; the kernels
+still bound every loop and index so that a hostile body cannot make them read or
+write out of range: they return an error code instead.
+
+Model (see docs/delta-format.md §4):
+
+* An element's *bucket* is the exponent field of its **base** bit pattern
+  (``(bits >> shift) & mask``; one bucket for integer dtypes). Both sides know it,
+  the receiver because it holds the base.
+* Inside a bucket, the changed elements are identified by their *rank* (how many
+  elements of the same bucket precede them in the chunk). Rank gaps are coded as
+  adaptive Rice codes: the quotient in unary with adaptive binary contexts, the
+  top two remainder bits with adaptive contexts, the rest as direct bits.
+* A value is the signed integer step between the base and target bit patterns
+  (``sub``, modulo 2**W) or their XOR (``xor``); it is coded as sign plus an
+  Elias-gamma magnitude whose length and leading mantissa bit use adaptive
+  contexts.
+* The entropy coder is an LZMA-style binary range coder (11-bit probabilities,
+  adaptation shift 5, carry propagation via cache/cache_size).
+
+Invariants: ``decode_body`` inverts ``encode_body`` exactly for every input;
+kernels never index outside the arrays they are given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+U64 = np.uint64
+_TOP = U64(1 << 24)
+_M32 = U64(0xFFFFFFFF)
+_M24 = U64(0x00FFFFFF)
+_HI = U64(0xFF000000)
+_FF = U64(0xFF)
+_ALL64 = U64(0xFFFFFFFFFFFFFFFF)
+_PROB_BITS = U64(11)
+_PROB_ONE = 2048  # 1 << 11, as in LZMA
+_PROB_INIT = 1024
+_MOVE = 5  # adaptation shift, as in LZMA
+
+# Context layout (one int32 array per chunk). Numbers are small and fixed so
+# the decoder can rebuild the same layout with no side information.
+N_QCTX = 12  # unary quotient contexts for rank gaps (last one shared)
+N_RCTX = 4  # top-two-remainder-bit tree contexts (index 1..3)
+N_LCTX = 24  # unary length contexts for value magnitudes (last one shared)
+N_MCTX = 65  # first-mantissa-bit context per magnitude length (0..64)
+CTX_Q = 0
+CTX_R = CTX_Q + N_QCTX
+CTX_SIGN = CTX_R + N_RCTX
+CTX_L = CTX_SIGN + 1
+CTX_M = CTX_L + N_LCTX
+N_CTX = CTX_M + N_MCTX
+
+# Error codes returned (negated) by the kernels.
+ERR_OVERFLOW = 1  # output buffer too small
+ERR_TRUNCATED = 2  # body ended early / malformed varint
+ERR_RANGE = 3  # a decoded position or count is out of range
+ERR_LEFTOVER = 4  # decoded positions that no base element matched
+
+MAX_RICE_K = 62
+
+
+# --------------------------------------------------------------------------- range coder
+# The coder state travels as scalars returned from inlined functions so that
+# LLVM keeps it in registers (an array-held state measured ~10x slower).
+# Encoder state: (low, rng, cache, csize, pos); decoder state: (code, rng, pos).
+
+
+@njit(inline="always", cache=True)
+def _shift_low(low, rng, cache, csize, pos, out):  # type: ignore[no-untyped-def]
+    if (low & _M32) < _HI or (low >> U64(32)) != U64(0):
+        carry = low >> U64(32)
+        temp = cache
+        cap = out.shape[0]
+        while True:
+            if pos < cap:
+                out[pos] = np.uint8((temp + carry) & _FF)
+            pos += 1
+            temp = _FF
+            csize -= U64(1)
+            if csize == U64(0):
+                break
+        cache = (low >> U64(24)) & _FF
+    csize += U64(1)
+    low = (low & _M24) << U64(8)
+    return low, rng, cache, csize, pos
+
+
+@njit(inline="always", cache=True)
+def _enc_bit(low, rng, cache, csize, pos, out, probs, i, bit):  # type: ignore[no-untyped-def]
+    p = probs[i]
+    bound = (rng >> _PROB_BITS) * U64(p)
+    if bit == 0:
+        rng = bound
+        probs[i] = p + ((_PROB_ONE - p) >> _MOVE)
+    else:
+        low += bound
+        rng = rng - bound
+        probs[i] = p - (p >> _MOVE)
+    while rng < _TOP:
+        rng = rng << U64(8)
+        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+    return low, rng, cache, csize, pos
+
+
+@njit(inline="always", cache=True)
+def _enc_direct(low, rng, cache, csize, pos, out, value, nbits):  # type: ignore[no-untyped-def]
+    # Up to 8 equiprobable bits per step: rng stays >= 2**16 before renormalising.
+    j = nbits
+    while j > 0:
+        take = min(j, 8)
+        j -= take
+        rng = rng >> U64(take)
+        low += rng * ((value >> U64(j)) & U64((1 << take) - 1))
+        while rng < _TOP:
+            rng = rng << U64(8)
+            low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+    return low, rng, cache, csize, pos
+
+
+@njit(inline="always", cache=True)
+def _dec_byte(pos, src, end):  # type: ignore[no-untyped-def]
+    if pos < end:
+        return U64(src[pos])
+    return U64(0)
+
+
+@njit(inline="always", cache=True)
+def _dec_bit(code, rng, pos, src, end, probs, i):  # type: ignore[no-untyped-def]
+    p = probs[i]
+    bound = (rng >> _PROB_BITS) * U64(p)
+    if code < bound:
+        rng = bound
+        probs[i] = p + ((_PROB_ONE - p) >> _MOVE)
+        bit = 0
+    else:
+        code -= bound
+        rng = rng - bound
+        probs[i] = p - (p >> _MOVE)
+        bit = 1
+    while rng < _TOP:
+        rng = rng << U64(8)
+        code = ((code << U64(8)) | _dec_byte(pos, src, end)) & _M32
+        pos += 1
+    return code, rng, pos, bit
+
+
+@njit(inline="always", cache=True)
+def _dec_direct(code, rng, pos, src, end, nbits):  # type: ignore[no-untyped-def]
+    v = U64(0)
+    j = nbits
+    while j > 0:
+        take = min(j, 8)
+        j -= take
+        rng = rng >> U64(take)
+        d = code // rng
+        if d > U64((1 << take) - 1):  # only a corrupt stream gets here
+            d = U64((1 << take) - 1)
+        code -= d * rng
+        v = (v << U64(take)) | d
+        while rng < _TOP:
+            rng = rng << U64(8)
+            code = ((code << U64(8)) | _dec_byte(pos, src, end)) & _M32
+            pos += 1
+    return code, rng, pos, v
+
+
+# --------------------------------------------------------------------------- varints
+@njit(inline="always", cache=True)
+def _put_varint(out: np.ndarray, pos: int, v: np.uint64) -> int:
+    while True:
+        byte = v & U64(0x7F)
+        v = v >> U64(7)
+        if pos < out.shape[0]:
+            out[pos] = np.uint8(byte | (U64(0x80) if v != U64(0) else U64(0)))
+        pos += 1
+        if v == U64(0):
+            return pos
+
+
+@njit(inline="always", cache=True)
+def _get_varint(src: np.ndarray, pos: int, end: int) -> tuple[np.uint64, int]:
+    v = U64(0)
+    shift = U64(0)
+    while True:
+        if pos >= end or shift > U64(63):
+            return U64(0), -1
+        byte = U64(src[pos])
+        pos += 1
+        v |= (byte & U64(0x7F)) << shift
+        if byte < U64(0x80):
+            return v, pos
+        shift += U64(7)
+
+
+@njit(inline="always", cache=True)
+def _bitlen(v: np.uint64) -> int:
+    n = 0
+    while v != U64(0):
+        v = v >> U64(1)
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- scan
+@njit(cache=True, nogil=True)
+def find_changes(
+    base: np.ndarray, target: np.ndarray, shift: int, mask: int, width: int, transform: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Positions, bucket ranks, buckets and steps of elements whose bits differ.
+
+    Returns ``(idx, rank, bucket, step)`` for the changed elements, in index
+    order; ``step`` is ``(target - base) mod 2**width`` (sub) or ``target ^ base``
+    (xor), computed here while the elements are in cache.
+    """
+    wmask = _ALL64 >> U64(64 - width)
+    n = base.shape[0]
+    sh = U64(shift)
+    mk = U64(mask)
+    counts = np.zeros(mask + 1, np.int64)
+    # Capacity n: np.empty pages that are never written are never committed.
+    idx = np.empty(n, np.int64)
+    rank = np.empty(n, np.int64)
+    buck = np.empty(n, np.int64)
+    step = np.empty(n, np.uint64)
+    k = 0
+    for i in range(n):
+        b = base[i]
+        e = (U64(b) >> sh) & mk
+        r = counts[e]
+        counts[e] = r + 1
+        t = target[i]
+        if b != t:
+            idx[k] = i
+            rank[k] = r
+            buck[k] = np.int64(e)
+            step[k] = ((U64(t) - U64(b)) & wmask) if transform == 2 else (U64(t) ^ U64(b))
+            k += 1
+    return idx[:k], rank[:k], buck[:k], step[:k]
+
+
+@njit(cache=True, nogil=True)
+def _rice_k(ranks: np.ndarray, lo: int, hi: int) -> int:
+    # Mean gap -> Rice parameter so that quotients average about 1.
+    n = hi - lo
+    if n == 0:
+        return 0
+    total = ranks[hi - 1] - n + 1  # sum of (gap) = last_rank - (n - 1)
+    mean = total / n
+    k = 0
+    while k < MAX_RICE_K and (1 << (k + 1)) <= mean * 0.69 + 1.0:  # 2**k ~ m*ln2 (Golomb)
+        k += 1
+    return k
+
+
+# --------------------------------------------------------------------------- encode
+@njit(cache=True, nogil=True)
+def encode_body(
+    rank: np.ndarray,
+    buck: np.ndarray,
+    step: np.ndarray,
+    n_buckets: int,
+    width: int,
+    transform: int,
+    out: np.ndarray,
+) -> int:
+    """Write the coded body (bucket table + range-coded stream) into ``out``.
+
+    ``rank``/``buck``/``step`` come from `find_changes`. ``transform`` is 1 for
+    xor, 2 for sub. Returns the number of bytes written, or ``-ERR_OVERFLOW``
+    when ``out`` is too small.
+    """
+    n = rank.shape[0]
+    wmask = _ALL64 >> U64(64 - width)
+    signbit = U64(width - 1)
+    # Stable counting sort of the changed elements by bucket.
+    cnt = np.zeros(n_buckets + 1, np.int64)
+    for j in range(n):
+        cnt[buck[j] + 1] += 1
+    for e in range(n_buckets):
+        cnt[e + 1] += cnt[e]
+    start = cnt.copy()
+    order = np.empty(n, np.int64)
+    for j in range(n):
+        e = buck[j]
+        order[start[e]] = j
+        start[e] += 1
+    sranks = np.empty(n, np.int64)
+    for j in range(n):
+        sranks[j] = rank[order[j]]
+    # Bucket table.
+    used = 0
+    for e in range(n_buckets):
+        if cnt[e + 1] > cnt[e]:
+            used += 1
+    pos = _put_varint(out, 0, U64(used))
+    ks = np.zeros(n_buckets, np.int64)
+    for e in range(n_buckets):
+        lo = cnt[e]
+        hi = cnt[e + 1]
+        if hi == lo:
+            continue
+        is_all = sranks[hi - 1] == hi - lo - 1  # ranks are exactly 0..n-1
+        k = _rice_k(sranks, lo, hi)
+        ks[e] = k
+        pos = _put_varint(out, pos, U64(e))
+        pos = _put_varint(out, pos, U64(hi - lo))
+        if pos < out.shape[0]:
+            out[pos] = np.uint8(k | (0x80 if is_all else 0))
+        pos += 1
+    if pos > out.shape[0]:
+        return -ERR_OVERFLOW
+    # Range-coded stream: per bucket, each element's gap then its value.
+    low, rng, cache, csize = U64(0), _M32, U64(0), U64(1)
+    probs = np.full(N_CTX, _PROB_INIT, np.int64)
+    cap = out.shape[0]
+    for e in range(n_buckets):
+        lo = cnt[e]
+        hi = cnt[e + 1]
+        if hi == lo:
+            continue
+        is_all = sranks[hi - 1] == hi - lo - 1
+        k = ks[e]
+        prev = -1
+        for j in range(lo, hi):
+            r = sranks[j]
+            if not is_all:
+                g = U64(r - prev - 1)
+                q = g >> U64(k)
+                t = 0
+                while U64(t) < q:
+                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 1)
+                    t += 1
+                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 0)
+                rem = g & ((U64(1) << U64(k)) - U64(1))
+                if k >= 2:
+                    b1 = int((rem >> U64(k - 1)) & U64(1))
+                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_R + 1, b1)
+                    b2 = int((rem >> U64(k - 2)) & U64(1))
+                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_R + 2 + b1, b2)
+                    low, rng, cache, csize, pos = _enc_direct(low, rng, cache, csize, pos, out, rem, k - 2)
+                elif k == 1:
+                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_R + 1, int(rem))
+            prev = r
+            d = step[order[j]]
+            if transform == 2:
+                neg = (d >> signbit) & U64(1)
+                mag = ((U64(0) - d) & wmask) if neg else d
+                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_SIGN, int(neg))
+            else:
+                mag = d
+            L = _bitlen(mag) - 1
+            for t in range(L):
+                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_L + min(t, N_LCTX - 1), 1)
+            if L < width - 1:
+                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_L + min(L, N_LCTX - 1), 0)
+            if L >= 1:
+                mb = int((mag >> U64(L - 1)) & U64(1))
+                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_M + L, mb)
+                low, rng, cache, csize, pos = _enc_direct(low, rng, cache, csize, pos, out, mag, L - 1)
+        if pos > cap:
+            return -ERR_OVERFLOW
+    for _ in range(5):
+        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+    if pos > cap:
+        return -ERR_OVERFLOW
+    return np.int64(pos)
+
+
+# --------------------------------------------------------------------------- decode
+@njit(cache=True, nogil=True)
+def decode_body(
+    src: np.ndarray, n_changed: int, n_elems: int, n_buckets: int, width: int, transform: int
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Decode a body into per-bucket ranks and signed steps / xor masks.
+
+    Returns ``(status, first, ranks, vals)``: ``first[e]`` is the offset of bucket
+    ``e``'s run in ``ranks``/``vals`` (``-1`` when absent); each run ends with a
+    sentinel rank ``-1`` that no element can match. ``status`` is ``0`` or a
+    negative error code.
+    """
+    end = src.shape[0]
+    first = np.full(n_buckets, -1, np.int64)
+    ranks = np.full(1, -1, np.int64)
+    vals = np.zeros(1, np.uint64)
+    used, pos = _get_varint(src, 0, end)
+    if pos < 0:
+        return -ERR_TRUNCATED, first, ranks, vals
+    if used > U64(n_buckets) or used > U64(n_changed) or (used == U64(0) and n_changed != 0):
+        return -ERR_RANGE, first, ranks, vals
+    nb = int(used)
+    b_e = np.empty(nb, np.int64)
+    b_n = np.empty(nb, np.int64)
+    b_k = np.empty(nb, np.int64)
+    b_all = np.empty(nb, np.bool_)
+    seen = 0
+    last_e = -1
+    for j in range(nb):
+        e, pos = _get_varint(src, pos, end)
+        if pos < 0:
+            return -ERR_TRUNCATED, first, ranks, vals
+        c, pos = _get_varint(src, pos, end)
+        if pos < 0 or pos >= end:
+            return -ERR_TRUNCATED, first, ranks, vals
+        flags = int(src[pos])
+        pos += 1
+        if int(e) <= last_e or e >= U64(n_buckets) or c == U64(0) or c > U64(n_changed - seen):
+            return -ERR_RANGE, first, ranks, vals
+        if (flags & 0x7F) > MAX_RICE_K:
+            return -ERR_RANGE, first, ranks, vals
+        last_e = int(e)
+        b_e[j] = int(e)
+        b_n[j] = int(c)
+        b_k[j] = flags & 0x7F
+        b_all[j] = (flags & 0x80) != 0
+        seen += int(c)
+    if seen != n_changed:
+        return -ERR_RANGE, first, ranks, vals
+    # One slot per change, a sentinel per run, and a shared sentinel at the end.
+    ranks = np.full(n_changed + nb + 1, -1, np.int64)
+    vals = np.zeros(n_changed + nb + 1, np.uint64)
+    code, rng = U64(0), _M32
+    for _ in range(5):
+        code = ((code << U64(8)) | _dec_byte(pos, src, end)) & _M32
+        pos += 1
+    probs = np.full(N_CTX, _PROB_INIT, np.int64)
+    wmask = _ALL64 >> U64(64 - width)
+    half = U64(1) << U64(width - 1)
+    # Reading past the end yields zero bytes; more than the 5 flush bytes'
+    # worth of overrun means a truncated or corrupt stream.
+    limit = end + 8
+    out = 0
+    for j in range(nb):
+        first[b_e[j]] = out
+        k = b_k[j]
+        prev = -1
+        for _ in range(b_n[j]):
+            if b_all[j]:
+                r = prev + 1
+            else:
+                q = 0
+                while True:
+                    code, rng, pos, bit = _dec_bit(code, rng, pos, src, end, probs, CTX_Q + min(q, N_QCTX - 1))
+                    if bit == 0:
+                        break
+                    q += 1
+                    if q > n_elems or pos > limit:
+                        return -ERR_RANGE, first, ranks, vals
+                rem = U64(0)
+                if k >= 2:
+                    code, rng, pos, b1 = _dec_bit(code, rng, pos, src, end, probs, CTX_R + 1)
+                    code, rng, pos, b2 = _dec_bit(code, rng, pos, src, end, probs, CTX_R + 2 + b1)
+                    code, rng, pos, low_bits = _dec_direct(code, rng, pos, src, end, k - 2)
+                    rem = (U64(b1) << U64(k - 1)) | (U64(b2) << U64(k - 2)) | low_bits
+                elif k == 1:
+                    code, rng, pos, b1 = _dec_bit(code, rng, pos, src, end, probs, CTX_R + 1)
+                    rem = U64(b1)
+                r = prev + 1 + ((q << k) | np.int64(rem))
+            if r >= n_elems or r < 0:
+                return -ERR_RANGE, first, ranks, vals
+            prev = r
+            neg = 0
+            if transform == 2:
+                code, rng, pos, neg = _dec_bit(code, rng, pos, src, end, probs, CTX_SIGN)
+            L = 0
+            while L < width - 1:
+                code, rng, pos, bit = _dec_bit(code, rng, pos, src, end, probs, CTX_L + min(L, N_LCTX - 1))
+                if bit == 0:
+                    break
+                L += 1
+            mag = U64(1)
+            if L >= 1:
+                code, rng, pos, mb = _dec_bit(code, rng, pos, src, end, probs, CTX_M + L)
+                code, rng, pos, rest = _dec_direct(code, rng, pos, src, end, L - 1)
+                mag = (U64(1) << U64(L)) | (U64(mb) << U64(L - 1)) | rest
+            if pos > limit:
+                return -ERR_TRUNCATED, first, ranks, vals
+            if transform == 2:
+                if mag > half or (neg == 0 and mag == half):
+                    return -ERR_RANGE, first, ranks, vals
+                v = ((U64(0) - mag) & wmask) if neg else mag
+            else:
+                v = mag & wmask
+            ranks[out] = r
+            vals[out] = v
+            out += 1
+        ranks[out] = -1  # sentinel closes the run
+        out += 1
+    if pos > end:  # every byte the encoder flushed is part of the body
+        return -ERR_TRUNCATED, first, ranks, vals
+    return 0, first, ranks[: out + 1], vals[: out + 1]
+
+
+@njit(cache=True, nogil=True)
+def locate(
+    base: np.ndarray,
+    shift: int,
+    mask: int,
+    first: np.ndarray,
+    ranks: np.ndarray,
+    vals: np.ndarray,
+    n_changed: int,
+    width: int,
+    transform: int,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Scan the base and turn (bucket, rank, value) into (index, new bits).
+
+    Returns ``(status, idx, new_bits)``; status ``-ERR_LEFTOVER`` means some
+    decoded rank lies beyond its bucket in this base (wrong base or corrupt body).
+    """
+    n = base.shape[0]
+    sh = U64(shift)
+    mk = U64(mask)
+    wmask = _ALL64 >> U64(64 - width)
+    nb = mask + 1
+    ptr = np.empty(nb, np.int64)
+    # Absent buckets point at a shared sentinel slot (a -1 rank that never matches).
+    sentinel = ranks.shape[0] - 1
+    for e in range(nb):
+        ptr[e] = first[e] if first[e] >= 0 else sentinel
+    counts = np.zeros(nb, np.int64)
+    idx = np.empty(n_changed, np.int64)
+    new = np.empty(n_changed, base.dtype)
+    k = 0
+    for i in range(n):
+        b = base[i]
+        e = (U64(b) >> sh) & mk
+        r = counts[e]
+        counts[e] = r + 1
+        p = ptr[e]
+        if ranks[p] == r:
+            ptr[e] = p + 1
+            if k >= n_changed:
+                return -ERR_RANGE, idx, new
+            v = vals[p]
+            if transform == 2:
+                nv = (U64(b) + v) & wmask
+            else:
+                nv = U64(b) ^ v
+            idx[k] = i
+            new[k] = nv
+            k += 1
+    if k != n_changed:
+        return -ERR_LEFTOVER, idx, new
+    return 0, idx, new
+
+
+@njit(cache=True, nogil=True)
+def scatter(dst: np.ndarray, idx: np.ndarray, new: np.ndarray, old: np.ndarray) -> None:
+    """``old[j] = dst[idx[j]]; dst[idx[j]] = new[j]`` (indices already checked)."""
+    for j in range(idx.shape[0]):
+        i = idx[j]
+        old[j] = dst[i]
+        dst[i] = new[j]

@@ -1,0 +1,1 @@
+"""Transports (ZeroMQ, WebRTC); installed as ``aurora.transport``."""
