@@ -95,16 +95,19 @@ def dtype_of(t: torch.Tensor) -> DType:
 def bits_of(t: torch.Tensor) -> np.ndarray:
     """Flat unsigned-integer view of a CPU tensor's bits (zero-copy when contiguous)."""
     d = dtype_of(t)
+    if t.numel() == 0:
+        return np.empty(0, d.uint)
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    raw = flat.view(torch.uint8) if d.width != 8 else flat.view(torch.uint8)
-    return raw.numpy().view(d.uint)
+    return flat.view(torch.uint8).numpy().view(d.uint)
 
 
 def tensor_from_bits(bits: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> torch.Tensor:
     """A torch tensor that shares memory with ``bits``."""
+    if bits.size == 0:
+        return torch.empty(shape, dtype=dtype.torch_dtype)
     arr = np.ascontiguousarray(bits).view(np.uint8)
     return torch.from_numpy(arr).view(dtype.torch_dtype).reshape(shape)

@@ -1,0 +1,5 @@
+import sys
+
+from aurora.cli import main
+
+sys.exit(main())

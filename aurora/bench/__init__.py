@@ -1,0 +1,1 @@
+"""Benchmarks (`aurora bench ...`): they measure and print; they assert nothing."""

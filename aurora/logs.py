@@ -1,0 +1,40 @@
+"""structlog configuration: the one place it is done.
+
+JSON lines when stderr is not a terminal (machines read them), the console
+renderer on a terminal. Actors bind ``node``, ``role``, ``region``, ``actor``
+with `structlog.contextvars.bind_contextvars`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+Format = Literal["auto", "json", "console"]
+
+
+def configure(level: str = "info", fmt: Format = "auto") -> None:
+    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: structlog.types.Processor = (
+        structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str | None = None) -> structlog.types.FilteringBoundLogger:
+    log: structlog.types.FilteringBoundLogger = structlog.get_logger(name)
+    return log

@@ -1,0 +1,198 @@
+"""`DeltaStore`: versions on disk as anchor snapshots every K versions plus the deltas between.
+
+Layout under the root::
+
+    store.json                          {"format": 1, "anchor_every": K}
+    anchors/v00000012.safetensors       full snapshot of version 12
+    deltas/v00000012-v00000013.audelta  delta file (docs/delta-format.md)
+    versions/v00000013.json             metadata; written last, so it is the commit point
+
+Invariants: a version is present iff its metadata file is; every present
+version can be rebuilt from an anchor at or below it plus present deltas;
+every write is atomic (`aurora.store.atomic`), so a crash leaves the old or
+the new state. Reading a version checks its digest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from aurora.checkpoint import load_checkpoint
+from aurora.codec import Delta, EncodeStats, Manifest, Weights, apply, encode
+from aurora.codec.container import load_delta_file, write_delta
+from aurora.errors import CheckpointError, StoreError
+from aurora.store.atomic import atomic_writer, write_bytes
+
+STORE_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    version: int
+    digest: str
+    """Hex version digest."""
+    kind: str
+    """'anchor' or 'delta'."""
+    parent: int | None
+    """Base version of the delta (None for an anchor)."""
+    file: str
+    """Path relative to the store root."""
+    nbytes: int
+
+
+class DeltaStore:
+    def __init__(self, root: str | Path, *, anchor_every: int = 8) -> None:
+        if anchor_every < 1:
+            raise StoreError(f"anchor_every must be >= 1, got {anchor_every}")
+        self.root = Path(root)
+        for sub in ("anchors", "deltas", "versions"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        cfg = self.root / "store.json"
+        if cfg.exists():
+            try:
+                doc = json.loads(cfg.read_text())
+                if doc["format"] != STORE_FORMAT:
+                    raise StoreError(f"{cfg}: store format {doc['format']} is not supported")
+                self.anchor_every = int(doc["anchor_every"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise StoreError(f"{cfg}: unreadable store config: {e}") from None
+        else:
+            self.anchor_every = anchor_every
+            write_bytes(cfg, json.dumps({"format": STORE_FORMAT, "anchor_every": anchor_every}).encode())
+
+    # ------------------------------------------------------------------ listing
+    def _meta_path(self, v: int) -> Path:
+        return self.root / "versions" / f"v{v:08d}.json"
+
+    def versions(self) -> list[int]:
+        out = []
+        for p in (self.root / "versions").glob("v*.json"):
+            try:
+                out.append(int(p.stem[1:]))
+            except ValueError:
+                continue
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        vs = self.versions()
+        return vs[-1] if vs else None
+
+    def __contains__(self, v: object) -> bool:
+        return isinstance(v, int) and self._meta_path(v).exists()
+
+    def info(self, v: int) -> VersionInfo:
+        p = self._meta_path(v)
+        try:
+            return VersionInfo(**json.loads(p.read_text()))
+        except FileNotFoundError:
+            raise StoreError(f"version {v} is not in the store at {self.root}") from None
+        except (ValueError, TypeError) as e:
+            raise StoreError(f"{p}: unreadable version metadata: {e}") from None
+
+    # ------------------------------------------------------------------ writing
+    def _commit(self, info: VersionInfo) -> VersionInfo:
+        write_bytes(self._meta_path(info.version), json.dumps(asdict(info)).encode())
+        return info
+
+    def put_anchor(self, version: int, weights: Weights) -> VersionInfo:
+        rel = f"anchors/v{version:08d}.safetensors"
+        dest = self.root / rel
+        from safetensors.torch import save
+
+        data = save({k: v.contiguous() for k, v in weights.to_tensors().items()}, metadata={"version": str(version)})
+        write_bytes(dest, data)
+        return self._commit(VersionInfo(version, weights.digest().hex(), "anchor", None, rel, len(data)))
+
+    def put_delta(self, manifest: Manifest, chunks: Iterable[bytes]) -> VersionInfo:
+        """Store a delta whose base version is present (as produced, or as received and verified)."""
+        if manifest.base_version is None or manifest.base_version not in self:
+            raise StoreError(f"cannot store delta to v{manifest.target_version}: base v{manifest.base_version} is not stored")
+        base_info = self.info(manifest.base_version)
+        assert manifest.base_digest is not None
+        if base_info.digest != manifest.base_digest.hex():
+            raise StoreError(f"delta to v{manifest.target_version} was made from a different v{manifest.base_version}")
+        rel = f"deltas/v{manifest.base_version:08d}-v{manifest.target_version:08d}.audelta"
+        with atomic_writer(self.root / rel) as f:
+            n = write_delta(f, manifest, chunks)
+        info = VersionInfo(manifest.target_version, manifest.target_digest.hex(), "delta", manifest.base_version, rel, n)
+        return self._commit(info)
+
+    def put(self, version: int, weights: Weights, *, base: Weights | None = None) -> VersionInfo:
+        """Add ``version``: an anchor every ``anchor_every`` versions (or when a delta would not pay),
+        else a delta from the latest stored version. ``base`` saves re-reading that version."""
+        if version in self:
+            raise StoreError(f"version {version} is already stored")
+        prev = self.latest()
+        if prev is not None and version <= prev:
+            raise StoreError(f"version {version} is not newer than the latest stored version {prev}")
+        if prev is None or version % self.anchor_every == 0:
+            return self.put_anchor(version, weights)
+        if base is None:
+            base = self.get(prev)
+        delta = encode(base, weights, base_version=prev, target_version=version)
+        if delta.prefer_snapshot:
+            return self.put_anchor(version, weights)
+        return self.put_delta(delta.manifest, delta.chunks)
+
+    def put_state_dict(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> VersionInfo:
+        return self.put(version, Weights.from_tensors(state_dict))
+
+    # ------------------------------------------------------------------ reading
+    def _chain(self, v: int) -> list[VersionInfo]:
+        chain = [self.info(v)]
+        while chain[-1].kind != "anchor":
+            parent = chain[-1].parent
+            assert parent is not None
+            chain.append(self.info(parent))
+        return chain[::-1]
+
+    def get(self, v: int) -> Weights:
+        """Version ``v`` rebuilt from its anchor plus deltas; its digest is checked."""
+        chain = self._chain(v)
+        try:
+            w = Weights.from_tensors(load_checkpoint(self.root / chain[0].file))
+        except CheckpointError as e:
+            raise StoreError(f"anchor of v{chain[0].version} is unreadable: {e}") from None
+        for info in chain[1:]:
+            m, chunks = load_delta_file(self.root / info.file)
+            w = apply(w, m, chunks)
+        if w.digest().hex() != chain[-1].digest:
+            raise StoreError(f"version {v} rebuilt from the store does not match its recorded digest")
+        return w
+
+    def get_state_dict(self, v: int) -> dict[str, torch.Tensor]:
+        return self.get(v).to_tensors()
+
+    def read_delta(self, base_version: int, target_version: int) -> Delta:
+        """The delta from ``base_version`` to ``target_version``: the stored one, or composed."""
+        info = self.info(target_version)
+        if info.kind == "delta" and info.parent == base_version:
+            m, chunks = load_delta_file(self.root / info.file)
+            return Delta(m, tuple(chunks), EncodeStats())
+        # Equivalent to composing the stored chain (compose applies and re-encodes too).
+        return encode(self.get(base_version), self.get(target_version), base_version=base_version,
+                      target_version=target_version)  # fmt: skip
+
+    # ------------------------------------------------------------------ pruning
+    def prune(self, keep_last: int) -> list[int]:
+        """Drop versions older than the last ``keep_last`` that no kept version needs. Returns dropped."""
+        vs = self.versions()
+        if keep_last < 1 or len(vs) <= keep_last:
+            return []
+        kept = set(vs[-keep_last:])
+        needed = {i.version for v in kept for i in self._chain(v)}
+        dropped = []
+        for v in vs:
+            if v in needed:
+                continue
+            info = self.info(v)
+            self._meta_path(v).unlink()  # the commit point goes first
+            (self.root / info.file).unlink(missing_ok=True)
+            dropped.append(v)
+        return dropped
+

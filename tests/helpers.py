@@ -1,0 +1,35 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from aurora.codec import Weights
+from aurora.codec.dtypes import BY_NAME, tensor_from_bits
+
+
+def tensor_from_raw(dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    d = BY_NAME[dtype]
+    return tensor_from_bits(raw.astype(d.uint), d, shape).clone()
+
+
+def perturb(w: Weights, density: float, seed: int) -> Weights:
+    """A copy of ``w`` with about ``density`` of the elements' bits changed (never to equal)."""
+    rng = np.random.default_rng(seed)
+    out = w.copy()
+    for name in out:
+        bits = out[name].bits
+        m = rng.random(bits.size) < density
+        if m.any():
+            kind = rng.integers(0, 3)
+            width = bits.dtype.itemsize * 8
+            if kind == 0:  # +-1 ulp steps
+                step = rng.choice(np.array([1, 2**width - 1], dtype=np.uint64), size=int(m.sum()))
+                bits[m] = ((bits[m].astype(np.uint64) + step) & np.uint64(2**width - 1)).astype(bits.dtype)
+            elif kind == 1:  # random new bits
+                bits[m] = bits[m] ^ np.maximum(rng.integers(0, 2**min(width, 63), size=int(m.sum()), dtype=np.uint64), 1).astype(bits.dtype)
+            else:  # sign flips
+                bits[m] = bits[m] ^ (bits.dtype.type(1) << bits.dtype.type(width - 1))
+    out.forget_digests()
+    return out

@@ -1,0 +1,178 @@
+"""Layer 1: the delta codec, pure and property-based."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aurora.codec import DeltaReceiver, Weights, apply, apply_in_place, compose, encode, invert
+from aurora.codec.dtypes import BY_NAME
+from aurora.errors import DeltaFormatError
+from tests.helpers import perturb, tensor_from_raw
+
+DTYPES = ["bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+          "float8_e4m3fn"]  # fmt: skip
+SPECIAL16 = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7FC1, 0xFFFF, 0x0001, 0x8001, 0x7F7F]
+
+
+@st.composite
+def weight_pairs(draw: st.DrawFn) -> tuple[Weights, Weights]:
+    n_tensors = draw(st.integers(1, 4))
+    base: dict[str, torch.Tensor] = {}
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    for i in range(n_tensors):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 40), min_size=0, max_size=3)))
+        numel = int(np.prod(shape)) if shape else 1
+        width = BY_NAME[dtype].width
+        raw = rng.integers(0, 2**min(width, 63), size=numel, dtype=np.uint64)
+        if dtype == "bool":
+            raw = raw & 1
+        if width == 16 and numel and draw(st.booleans()):
+            raw[: min(numel, len(SPECIAL16))] = SPECIAL16[: min(numel, len(SPECIAL16))]
+        base[f"t{i}.{dtype}"] = tensor_from_raw(dtype, raw, shape)
+    b = Weights.from_tensors(base)
+    density = draw(st.sampled_from([0.0, 0.001, 0.02, 0.3, 1.0]))
+    t = perturb(b, density, seed + 1)
+    if any(tb.dtype.name == "bool" for tb in t.values()):
+        for name, tb in t.items():  # keep bools valid (0/1)
+            if tb.dtype.name == "bool":
+                tb.bits &= 1
+        t.forget_digests()
+    return b, t
+
+
+@given(weight_pairs())
+def test_round_trip_is_bit_exact(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=3, target_version=4)
+    out = apply(b, d.manifest, d.chunks)
+    for name in t:
+        assert np.array_equal(out[name].bits, t[name].bits), name
+    assert out.digest() == t.digest()
+
+
+@given(weight_pairs(), st.randoms(use_true_random=False))
+def test_chunks_apply_in_any_order(pair: tuple[Weights, Weights], rnd: object) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    chunks = list(d.chunks)
+    rnd.shuffle(chunks)  # type: ignore[attr-defined]
+    assert apply(b, d.manifest, chunks).digest() == t.digest()
+
+
+@given(weight_pairs())
+def test_inverse_gives_base_back(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    inv = invert(b, d)
+    assert (inv.manifest.base_version, inv.manifest.target_version) == (1, 0)
+    assert apply(t, inv.manifest, inv.chunks).digest() == b.digest()
+
+
+@given(weight_pairs(), st.integers(0, 2**31))
+def test_compose_equals_sequential_apply(pair: tuple[Weights, Weights], seed: int) -> None:
+    v0, v1 = pair
+    v2 = perturb(v1, 0.05, seed)
+    d1 = encode(v0, v1, base_version=0, target_version=1)
+    d2 = encode(v1, v2, base_version=1, target_version=2)
+    c = compose(v0, [d1, d2])
+    assert (c.manifest.base_version, c.manifest.target_version) == (0, 2)
+    seq = apply(apply(v0, d1.manifest, d1.chunks), d2.manifest, d2.chunks)
+    assert apply(v0, c.manifest, c.chunks).digest() == seq.digest() == v2.digest()
+
+
+def test_compose_refuses_deltas_that_do_not_chain() -> None:
+    v0 = Weights.from_tensors({"w": torch.randn(100).to(torch.bfloat16)})
+    v1, v2 = perturb(v0, 0.1, 1), perturb(v0, 0.1, 2)
+    d1 = encode(v0, v1, base_version=0, target_version=1)
+    d_bad = encode(v0, v2, base_version=0, target_version=2)
+    with pytest.raises(DeltaFormatError, match="do not chain"):
+        compose(v0, [d1, d_bad])
+
+
+def test_zero_signs_and_nan_payloads_count_as_changes() -> None:
+    # +0.0 -> -0.0 and one NaN payload -> another are equal or unordered as values, different as bits.
+    raw = np.array([0x0000, 0x7FC0, 0x3F80], np.uint16)
+    new = np.array([0x8000, 0x7FC1, 0x3F80], np.uint16)
+    b = Weights.from_tensors({"w": tensor_from_raw("bfloat16", raw, (3,))})
+    t = Weights.from_tensors({"w": tensor_from_raw("bfloat16", new, (3,))})
+    d = encode(b, t, base_version=0, target_version=1)
+    assert d.stats.changed == 2
+    assert np.array_equal(apply(b, d.manifest, d.chunks)["w"].bits, new)
+
+
+def test_small_updates_are_far_smaller_than_dense() -> None:
+    # The identity "codec" (ship the target) fails this: 1% of +-1 ulp steps must cost < 1.2 B each.
+    torch.manual_seed(0)
+    w = (torch.randn(1 << 20) * 0.02).to(torch.bfloat16)
+    b = Weights.from_tensors({"w": w})
+    t = b.copy()
+    rng = np.random.default_rng(0)
+    pos = rng.choice(w.numel(), size=w.numel() // 100, replace=False)
+    t["w"].bits[pos] += 1
+    t.forget_digests()
+    d = encode(b, t, base_version=0, target_version=1)
+    assert d.nbytes / d.stats.changed < 1.2
+    assert d.nbytes < b.nbytes / 50
+    assert not d.prefer_snapshot
+
+
+def test_dense_change_says_snapshot_is_cheaper() -> None:
+    rng = np.random.default_rng(0)
+    b = Weights.from_tensors({"w": tensor_from_raw("bfloat16", rng.integers(0, 2**16, 50_000), (50_000,))})
+    t = Weights.from_tensors({"w": tensor_from_raw("bfloat16", rng.integers(0, 2**16, 50_000), (50_000,))})
+    d = encode(b, t, base_version=0, target_version=1)
+    assert d.prefer_snapshot
+    assert apply(b, d.manifest, d.chunks).digest() == t.digest()
+
+
+def test_large_tensor_spans_several_chunks_each_bounded() -> None:
+    from aurora.codec import MAX_CHUNK_BYTES
+
+    b = Weights.from_tensors({"big": torch.randn(5_000_000).to(torch.bfloat16), "small": torch.randn(3)})
+    t = perturb(b, 1.0, 7)  # worst case: every element changes
+    d = encode(b, t, base_version=0, target_version=1)
+    assert d.manifest.tensors[0].n_chunks == 3
+    assert all(len(c) <= MAX_CHUNK_BYTES for c in d.chunks)
+    assert apply(b, d.manifest, d.chunks[::-1]).digest() == t.digest()
+
+
+def test_snapshot_needs_no_base() -> None:
+    t = Weights.from_tensors({"a": torch.randn(10, 10).to(torch.bfloat16), "b": torch.arange(5)})
+    d = encode(None, t, base_version=None, target_version=9)
+    assert d.manifest.is_snapshot
+    assert apply(None, d.manifest, d.chunks).digest() == t.digest()
+
+
+def test_xor_transform_round_trips() -> None:
+    from aurora.codec import Transform
+
+    b = Weights.from_tensors({"w": torch.randn(10_000).to(torch.bfloat16)})
+    t = perturb(b, 0.05, 3)
+    d = encode(b, t, base_version=0, target_version=1, transform=Transform.XOR)
+    assert d.manifest.transform is Transform.XOR
+    assert apply(b, d.manifest, d.chunks).digest() == t.digest()
+
+
+def test_apply_in_place_and_receiver_staging() -> None:
+    b = Weights.from_tensors({"w": torch.randn(1000).to(torch.bfloat16), "v": torch.randn(10)})
+    t = perturb(b, 0.1, 5)
+    d = encode(b, t, base_version=0, target_version=1)
+    rx = DeltaReceiver(d.manifest)
+    assert not rx.complete and rx.missing()
+    for c in d.chunks:
+        rx.add(c)
+    assert rx.complete
+    work = b.copy()
+    staged = rx.stage(work)
+    assert work.digest() == b.digest()  # staging changes nothing
+    touched = staged.commit(work)
+    assert touched and work.digest() == t.digest()
+    work2 = b.copy()
+    apply_in_place(work2, d.manifest, d.chunks)
+    assert work2.digest() == t.digest()

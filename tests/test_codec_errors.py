@@ -1,0 +1,143 @@
+"""Malformed input: every case raises DeltaFormatError and leaves the target unchanged."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aurora.codec import DeltaReceiver, Weights, apply, apply_in_place, encode, unpack_manifest
+from aurora.codec.format import HEADER_BYTES, MAX_CHUNK_BYTES, pack_manifest
+from aurora.errors import DeltaFormatError
+from tests.helpers import perturb
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Weights, Weights]:
+    torch.manual_seed(1)
+    b = Weights.from_tensors({"a": (torch.randn(20_000) * 0.02).to(torch.bfloat16), "b": torch.randn(64, 8)})
+    return b, perturb(b, 0.05, 11)
+
+
+def _unchanged_after(work: Weights, ref: Weights, f: object) -> None:
+    with pytest.raises(DeltaFormatError):
+        f()  # type: ignore[operator]
+    for name in ref:
+        assert np.array_equal(work[name].bits, ref[name].bits), f"{name} was modified"
+
+
+@given(st.data())
+def test_truncated_or_corrupted_chunk_is_rejected(pair: tuple[Weights, Weights], data: st.DataObject) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    i = data.draw(st.integers(0, len(d.chunks) - 1))
+    c = bytearray(d.chunks[i])
+    if data.draw(st.booleans()):
+        c = c[: data.draw(st.integers(0, len(c) - 1))]
+    else:
+        pos = data.draw(st.integers(0, len(c) - 1))
+        c[pos] ^= data.draw(st.integers(1, 255))
+    chunks = list(d.chunks)
+    chunks[i] = bytes(c)
+    work = b.copy()
+    _unchanged_after(work, b, lambda: apply_in_place(work, d.manifest, chunks))
+
+
+def test_duplicated_chunk_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    rx = DeltaReceiver(d.manifest)
+    rx.add(d.chunks[0])
+    with pytest.raises(DeltaFormatError, match="twice"):
+        rx.add(d.chunks[0])
+
+
+def test_missing_chunk_is_reported(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    work = b.copy()
+    _unchanged_after(work, b, lambda: apply_in_place(work, d.manifest, d.chunks[1:]))
+
+
+def test_wrong_base_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    other = perturb(b, 0.01, 99)
+    ref = other.copy()
+    _unchanged_after(other, ref, lambda: apply_in_place(other, d.manifest, d.chunks))
+
+
+def test_wrong_shape_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    bad = Weights.from_tensors({"a": torch.zeros(20_001, dtype=torch.bfloat16), "b": torch.randn(64, 8)})
+    ref = bad.copy()
+    _unchanged_after(bad, ref, lambda: apply_in_place(bad, d.manifest, d.chunks))
+    with pytest.raises(DeltaFormatError, match="base is bfloat16"):
+        encode(b, bad, base_version=0, target_version=1)
+
+
+def test_chunk_of_another_delta_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d1 = encode(b, t, base_version=0, target_version=1)
+    d2 = encode(b, perturb(b, 0.05, 12), base_version=0, target_version=2)
+    rx = DeltaReceiver(d1.manifest)
+    with pytest.raises(DeltaFormatError, match="another delta"):
+        rx.add(d2.chunks[0])
+
+
+def test_oversized_chunk_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    with pytest.raises(DeltaFormatError, match="exceeds"):
+        DeltaReceiver(d.manifest).add(d.chunks[0] + bytes(MAX_CHUNK_BYTES))
+
+
+def test_body_tampered_with_valid_digest_cannot_escape_bounds(pair: tuple[Weights, Weights]) -> None:
+    # Re-sign a garbled body: the kernels must still stay in bounds and report an error or a digest mismatch.
+    from aurora.codec.format import pack_chunk, unpack_chunk
+
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    c = unpack_chunk(d.chunks[0])
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        body = bytearray(c.body)
+        for p in rng.integers(0, len(body), size=4):
+            body[p] = int(rng.integers(0, 256))
+        forged = pack_chunk(c.header, bytes(body))
+        work = b.copy()
+        _unchanged_after(work, b, lambda forged=forged: apply_in_place(work, d.manifest, [forged, *d.chunks[1:]]))
+
+
+def test_corrupt_manifest_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    raw = bytearray(pack_manifest(encode(b, t, base_version=0, target_version=1).manifest))
+    raw[20] ^= 1
+    with pytest.raises(DeltaFormatError, match="corrupt"):
+        unpack_manifest(bytes(raw))
+    with pytest.raises(DeltaFormatError):
+        unpack_manifest(bytes(raw[:12]))
+    with pytest.raises(DeltaFormatError, match="magic"):
+        unpack_manifest(b"XXXX" + bytes(raw[4:]))
+
+
+def test_future_format_version_is_rejected(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    c = bytearray(d.chunks[0])
+    struct.pack_into("<H", c, 4, 2)
+    with pytest.raises(DeltaFormatError, match="version 2"):
+        DeltaReceiver(d.manifest).add(bytes(c))
+    assert HEADER_BYTES == 80
+
+
+def test_delta_needs_its_base(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1)
+    with pytest.raises(DeltaFormatError, match="needs a base"):
+        apply(None, d.manifest, d.chunks)
