@@ -62,7 +62,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str] | None = None) -> None:
+def save_checkpoint(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+) -> None:
     """Write one safetensors file atomically (temp file, fsync, rename)."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")

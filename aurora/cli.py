@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from aurora.errors import AuroraError
 
@@ -138,7 +139,7 @@ def cmd_delta_inspect(args: argparse.Namespace) -> int:
 
     manifest, chunks = load_delta_file(args.delta)
     rx = DeltaReceiver(manifest)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in chunks:
         rx.add(c)
         h = unpack_chunk(c).header
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     sub = getattr(args, f"{args.cmd}_cmd", None)
     try:
-        return COMMANDS[(args.cmd, sub)](args)
+        return COMMANDS[(args.cmd, str(sub))](args)
     except AuroraError as e:
         print(f"aurora: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -28,7 +28,9 @@ def perturb(w: Weights, density: float, seed: int) -> Weights:
                 step = rng.choice(np.array([1, 2**width - 1], dtype=np.uint64), size=int(m.sum()))
                 bits[m] = ((bits[m].astype(np.uint64) + step) & np.uint64(2**width - 1)).astype(bits.dtype)
             elif kind == 1:  # random new bits
-                bits[m] = bits[m] ^ np.maximum(rng.integers(0, 2**min(width, 63), size=int(m.sum()), dtype=np.uint64), 1).astype(bits.dtype)
+                bits[m] = bits[m] ^ np.maximum(
+                    rng.integers(0, 2 ** min(width, 63), size=int(m.sum()), dtype=np.uint64), 1
+                ).astype(bits.dtype)
             else:  # sign flips
                 bits[m] = bits[m] ^ (bits.dtype.type(1) << bits.dtype.type(width - 1))
     out.forget_digests()

@@ -29,7 +29,7 @@ def weight_pairs(draw: st.DrawFn) -> tuple[Weights, Weights]:
         shape = tuple(draw(st.lists(st.integers(0, 40), min_size=0, max_size=3)))
         numel = int(np.prod(shape)) if shape else 1
         width = BY_NAME[dtype].width
-        raw = rng.integers(0, 2**min(width, 63), size=numel, dtype=np.uint64)
+        raw = rng.integers(0, 2 ** min(width, 63), size=numel, dtype=np.uint64)
         if dtype == "bool":
             raw = raw & 1
         if width == 16 and numel and draw(st.booleans()):
@@ -39,7 +39,7 @@ def weight_pairs(draw: st.DrawFn) -> tuple[Weights, Weights]:
     density = draw(st.sampled_from([0.0, 0.001, 0.02, 0.3, 1.0]))
     t = perturb(b, density, seed + 1)
     if any(tb.dtype.name == "bool" for tb in t.values()):
-        for name, tb in t.items():  # keep bools valid (0/1)
+        for tb in t.values():  # keep bools valid (0/1)
             if tb.dtype.name == "bool":
                 tb.bits &= 1
         t.forget_digests()
@@ -164,7 +164,8 @@ def test_apply_in_place_and_receiver_staging() -> None:
     t = perturb(b, 0.1, 5)
     d = encode(b, t, base_version=0, target_version=1)
     rx = DeltaReceiver(d.manifest)
-    assert not rx.complete and rx.missing()
+    assert not rx.complete
+    assert rx.missing()
     for c in d.chunks:
         rx.add(c)
     assert rx.complete
@@ -172,7 +173,8 @@ def test_apply_in_place_and_receiver_staging() -> None:
     staged = rx.stage(work)
     assert work.digest() == b.digest()  # staging changes nothing
     touched = staged.commit(work)
-    assert touched and work.digest() == t.digest()
+    assert touched
+    assert work.digest() == t.digest()
     work2 = b.copy()
     apply_in_place(work2, d.manifest, d.chunks)
     assert work2.digest() == t.digest()

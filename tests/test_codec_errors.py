@@ -111,7 +111,9 @@ def test_body_tampered_with_valid_digest_cannot_escape_bounds(pair: tuple[Weight
             body[p] = int(rng.integers(0, 256))
         forged = pack_chunk(c.header, bytes(body))
         work = b.copy()
-        _unchanged_after(work, b, lambda forged=forged: apply_in_place(work, d.manifest, [forged, *d.chunks[1:]]))
+        _unchanged_after(
+            work, b, lambda forged=forged, work=work: apply_in_place(work, d.manifest, [forged, *d.chunks[1:]])
+        )
 
 
 def test_corrupt_manifest_is_rejected(pair: tuple[Weights, Weights]) -> None:

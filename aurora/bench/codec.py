@@ -21,7 +21,6 @@ import torch
 from aurora.bench.refcoders import entropy_bounds, int32_bytes, leb128_bytes
 from aurora.bench.weightgen import synthetic_pair, trained_versions
 from aurora.codec import Weights, apply_in_place, encode
-from aurora.codec.format import pack_manifest
 
 
 @dataclass
@@ -99,15 +98,16 @@ def speed_row(workload: str, b: Weights, t: Weights, reps: int) -> SpeedRow:
     return SpeedRow(workload, nbytes, nbytes / t_enc / 1e9, nbytes / max(t_app, 1e-9) / 1e9, nbytes / t_copy / 1e9)
 
 
-def run(*, quick: bool = False, json_path: str | None = None, progress: Callable[[str], None] = print) -> dict[str, object]:
+def run(
+    *, quick: bool = False, json_path: str | None = None, progress: Callable[[str], None] = print
+) -> dict[str, object]:
     torch.set_num_threads(1)
     sizes: list[SizeRow] = []
     steps = 2 if quick else 4
     for lr in (1e-6, 1e-5):
         progress(f"training a small transformer for {steps} AdamW steps at lr {lr:g} ...")
         vs = [Weights.from_tensors(v) for v in trained_versions(lr, steps, dim=128 if quick else 256)]
-        for i in range(1, len(vs)):
-            sizes.append(size_row(f"trained lr={lr:g} step {i}", vs[i - 1], vs[i]))
+        sizes.extend(size_row(f"trained lr={lr:g} step {i}", vs[i - 1], vs[i]) for i in range(1, len(vs)))
     n_syn = 1 << (20 if quick else 22)
     for dens in (0.001, 0.01, 0.1):
         b, t = synthetic_pair(n_syn, dens, seed=1)
@@ -116,7 +116,7 @@ def run(*, quick: bool = False, json_path: str | None = None, progress: Callable
     progress(f"timing encode/apply on {n_speed * 2 / 2**20:.0f} MiB of bf16 weights at 1% density ...")
     b, t = synthetic_pair(n_speed, 0.01, seed=2)
     speed = speed_row("synthetic 1%", Weights.from_tensors(b), Weights.from_tensors(t), reps=2 if quick else 3)
-    result = {"sizes": [asdict(r) for r in sizes], "speed": asdict(speed)}
+    result: dict[str, object] = {"sizes": [asdict(r) for r in sizes], "speed": asdict(speed)}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
     progress(format_tables(sizes, speed))
@@ -129,11 +129,11 @@ def format_tables(sizes: list[SizeRow], speed: SpeedRow) -> str:
         f"{'H(pos)':>9}{'H(.|exp)':>10}{'vs dense':>10}"
     )
     lines = ["bytes per changed element (all-in; lower is better)", head, "-" * len(head)]
-    for r in sizes:
-        lines.append(
-            f"{r.workload:<26}{r.density:>9.3%}{r.changed:>10}{r.ours:>9.3f}{r.leb128:>9.3f}{r.int32:>8.2f}"
-            f"{r.blind_entropy:>9.3f}{r.cond_entropy:>10.3f}{r.ratio_vs_dense:>9.0f}x"
-        )
+    lines.extend(
+        f"{r.workload:<26}{r.density:>9.3%}{r.changed:>10}{r.ours:>9.3f}{r.leb128:>9.3f}{r.int32:>8.2f}"
+        f"{r.blind_entropy:>9.3f}{r.cond_entropy:>10.3f}{r.ratio_vs_dense:>9.0f}x"
+        for r in sizes
+    )
     lines += [
         "",
         "aurora = this format; leb128 = published design (varint gaps + bf16 values); int32 = positions + values;",

@@ -58,18 +58,20 @@ def trained_versions(
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         out.append(publish())
     return out
 
 
-def synthetic_pair(numel: int, density: float, *, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def synthetic_pair(
+    numel: int, density: float, *, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """bf16 N(0, 0.02) weights; a ``density`` fraction moves by +-1..2 ULP (bit-pattern steps)."""
     rng = np.random.default_rng(seed)
     base = (torch.from_numpy(rng.standard_normal(numel, dtype=np.float32)) * 0.02).to(torch.bfloat16)
     bits = base.view(torch.int16).numpy().view(np.uint16).copy()
-    k = int(round(numel * density))
+    k = round(numel * density)
     pos = rng.choice(numel, size=k, replace=False) if k < numel else np.arange(numel)
     steps = rng.choice(np.array([-2, -1, 1, 2], dtype=np.int32), size=k, p=[0.1, 0.4, 0.4, 0.1])
     bits[pos] = (bits[pos].astype(np.int32) + steps).astype(np.uint16)

@@ -12,7 +12,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from aurora.codec.format import FORMAT_VERSION, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, Manifest, pack_manifest, unpack_manifest
+from aurora.codec.format import (
+    FORMAT_VERSION,
+    MAX_CHUNK_BYTES,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    pack_manifest,
+    unpack_manifest,
+)
 from aurora.errors import DeltaFormatError
 
 FILE_MAGIC = b"AUDF"

@@ -113,7 +113,9 @@ class DeltaReceiver:
         m = self.manifest
         if not self.complete:
             miss = self.missing()
-            raise DeltaFormatError(f"delta is incomplete: {len(miss)} of {self.expected} chunks missing, e.g. {miss[:3]}")
+            raise DeltaFormatError(
+                f"delta is incomplete: {len(miss)} of {self.expected} chunks missing, e.g. {miss[:3]}"
+            )
         if not m.is_snapshot:
             if base is None:
                 raise DeltaFormatError(f"delta v{m.base_version}->v{m.target_version} needs a base")
@@ -130,9 +132,7 @@ class DeltaReceiver:
 def _check_base(m: Manifest, base: Weights, base_checked: bool) -> None:
     names = [t.name for t in m.tensors]
     if list(base) != names:
-        raise DeltaFormatError(
-            f"base does not match delta v{m.base_version}->v{m.target_version}: tensor names differ"
-        )
+        raise DeltaFormatError(f"base does not match delta v{m.base_version}->v{m.target_version}: tensor names differ")
     for t in m.tensors:
         b = base[t.name]
         if b.dtype != t.dtype or b.shape != t.shape:
@@ -161,11 +161,17 @@ def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
     assert base is not None
     b = base.bits[h.start : h.stop]
     src = np.frombuffer(c.body, dtype=np.uint8)
-    status, first, ranks, vals = kernels.decode_body(src, h.n_changed, h.stop - h.start, d.n_buckets, d.width, int(h.transform))
+    status, first, ranks, vals = kernels.decode_body(
+        src, h.n_changed, h.stop - h.start, d.n_buckets, d.width, int(h.transform)
+    )
     if status == 0:
-        status, idx, new = kernels.locate(b, d.exp_shift, d.exp_mask, first, ranks, vals, h.n_changed, d.width, int(h.transform))
+        status, idx, new = kernels.locate(
+            b, d.exp_shift, d.exp_mask, first, ranks, vals, h.n_changed, d.width, int(h.transform)
+        )
     if status != 0:
-        raise DeltaFormatError(f"chunk (tensor {h.tensor_index}, chunk {h.chunk_index}) of {name!r}: {_ERRORS[-status]}")
+        raise DeltaFormatError(
+            f"chunk (tensor {h.tensor_index}, chunk {h.chunk_index}) of {name!r}: {_ERRORS[-status]}"
+        )
     idx += h.start
     return Patch(name, h.start, idx, new)
 
@@ -233,9 +239,7 @@ def apply(base: Weights | None, manifest: Manifest, chunks: Iterable[bytes | byt
     """A new weight set: ``base`` with the delta applied (``base`` is not modified)."""
     staged = receive(manifest, chunks).stage(base)
     if base is None:
-        out = Weights(
-            {t.name: TensorBits(t.dtype, t.shape, np.zeros(t.numel, t.dtype.uint)) for t in manifest.tensors}
-        )
+        out = Weights({t.name: TensorBits(t.dtype, t.shape, np.zeros(t.numel, t.dtype.uint)) for t in manifest.tensors})
     else:
         out = base.copy()
     staged.commit(out)

@@ -17,7 +17,7 @@ import xxhash
 DIGEST_BYTES = 16
 
 
-def digest_bytes(*parts: bytes | memoryview | np.ndarray) -> bytes:
+def digest_bytes(*parts: bytes | memoryview) -> bytes:
     h = xxhash.xxh3_128()
     for p in parts:
         h.update(p)
@@ -26,7 +26,7 @@ def digest_bytes(*parts: bytes | memoryview | np.ndarray) -> bytes:
 
 def tensor_digest(bits: np.ndarray) -> bytes:
     """Digest of a tensor's raw bits (its dtype and shape are hashed by `version_digest`)."""
-    return xxhash.xxh3_128_digest(np.ascontiguousarray(bits).view(np.uint8))
+    return xxhash.xxh3_128_digest(np.ascontiguousarray(bits).view(np.uint8).data)
 
 
 def version_digest(entries: Iterable[tuple[str, str, tuple[int, ...], bytes]]) -> bytes:

@@ -171,7 +171,9 @@ class Manifest:
         raise KeyError(name)
 
 
-def delta_id_for(base_version: int | None, target_version: int, base_digest: bytes | None, target_digest: bytes) -> bytes:
+def delta_id_for(
+    base_version: int | None, target_version: int, base_digest: bytes | None, target_digest: bytes
+) -> bytes:
     return digest_bytes(
         b"aurora-delta/1",
         struct.pack("<qq", -1 if base_version is None else base_version, target_version),
@@ -217,7 +219,9 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         raise DeltaFormatError("not a delta manifest (bad magic or too short)")
     version, blen = struct.unpack_from("<HI", mv, 4)
     if version != FORMAT_VERSION:
-        raise DeltaFormatError(f"manifest format version {version} is not supported (this build reads {FORMAT_VERSION})")
+        raise DeltaFormatError(
+            f"manifest format version {version} is not supported (this build reads {FORMAT_VERSION})"
+        )
     if blen > MAX_MANIFEST_BYTES or len(mv) != 10 + blen + DIGEST_BYTES:
         raise DeltaFormatError(f"manifest length {len(mv)} does not match its header ({blen}-byte body)")
     if digest_bytes(mv[:10], mv[10 : 10 + blen]) != bytes(mv[10 + blen :]):

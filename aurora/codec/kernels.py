@@ -335,9 +335,13 @@ def encode_body(
                 q = g >> U64(k)
                 t = 0
                 while U64(t) < q:
-                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 1)
+                    low, rng, cache, csize, pos = _enc_bit(
+                        low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 1
+                    )
                     t += 1
-                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 0)
+                low, rng, cache, csize, pos = _enc_bit(
+                    low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 0
+                )
                 rem = g & ((U64(1) << U64(k)) - U64(1))
                 if k >= 2:
                     b1 = int((rem >> U64(k - 1)) & U64(1))
@@ -357,9 +361,13 @@ def encode_body(
                 mag = d
             L = _bitlen(mag) - 1
             for t in range(L):
-                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_L + min(t, N_LCTX - 1), 1)
-            if L < width - 1:
-                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_L + min(L, N_LCTX - 1), 0)
+                low, rng, cache, csize, pos = _enc_bit(
+                    low, rng, cache, csize, pos, out, probs, CTX_L + min(t, N_LCTX - 1), 1
+                )
+            if width - 1 > L:
+                low, rng, cache, csize, pos = _enc_bit(
+                    low, rng, cache, csize, pos, out, probs, CTX_L + min(L, N_LCTX - 1), 0
+                )
             if L >= 1:
                 mb = int((mag >> U64(L - 1)) & U64(1))
                 low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_M + L, mb)
@@ -469,7 +477,7 @@ def decode_body(
             if transform == 2:
                 code, rng, pos, neg = _dec_bit(code, rng, pos, src, end, probs, CTX_SIGN)
             L = 0
-            while L < width - 1:
+            while width - 1 > L:
                 code, rng, pos, bit = _dec_bit(code, rng, pos, src, end, probs, CTX_L + min(L, N_LCTX - 1))
                 if bit == 0:
                     break
@@ -539,10 +547,7 @@ def locate(
             if k >= n_changed:
                 return -ERR_RANGE, idx, new
             v = vals[p]
-            if transform == 2:
-                nv = (U64(b) + v) & wmask
-            else:
-                nv = U64(b) ^ v
+            nv = U64(b) + v & wmask if transform == 2 else U64(b) ^ v
             idx[k] = i
             new[k] = nv
             k += 1

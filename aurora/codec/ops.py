@@ -10,6 +10,7 @@ Invariants: ``apply(apply(b, d), invert(b, d)) == b`` bit for bit;
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from aurora.codec.decoder import apply
@@ -33,7 +34,7 @@ def compose(base: Weights, deltas: Sequence[Delta]) -> Delta:
     if not deltas:
         raise DeltaFormatError("compose needs at least one delta")
     first = deltas[0].manifest
-    for a, b in zip(deltas, deltas[1:], strict=False):
+    for a, b in itertools.pairwise(deltas):
         if a.manifest.target_digest != b.manifest.base_digest:
             raise DeltaFormatError(
                 f"deltas do not chain: v{a.manifest.target_version} != base of "

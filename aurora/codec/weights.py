@@ -32,7 +32,7 @@ class TensorBits:
 class Weights(Mapping[str, TensorBits]):
     """An immutable-by-convention mapping name -> `TensorBits`, iterated in name order."""
 
-    __slots__ = ("_items", "_digests")
+    __slots__ = ("_digests", "_items")
 
     def __init__(self, items: Mapping[str, TensorBits]) -> None:
         self._items = dict(sorted(items.items()))

@@ -111,7 +111,9 @@ class DeltaStore:
     def put_delta(self, manifest: Manifest, chunks: Iterable[bytes]) -> VersionInfo:
         """Store a delta whose base version is present (as produced, or as received and verified)."""
         if manifest.base_version is None or manifest.base_version not in self:
-            raise StoreError(f"cannot store delta to v{manifest.target_version}: base v{manifest.base_version} is not stored")
+            raise StoreError(
+                f"cannot store delta to v{manifest.target_version}: base v{manifest.base_version} is not stored"
+            )
         base_info = self.info(manifest.base_version)
         assert manifest.base_digest is not None
         if base_info.digest != manifest.base_digest.hex():
@@ -119,7 +121,9 @@ class DeltaStore:
         rel = f"deltas/v{manifest.base_version:08d}-v{manifest.target_version:08d}.audelta"
         with atomic_writer(self.root / rel) as f:
             n = write_delta(f, manifest, chunks)
-        info = VersionInfo(manifest.target_version, manifest.target_digest.hex(), "delta", manifest.base_version, rel, n)
+        info = VersionInfo(
+            manifest.target_version, manifest.target_digest.hex(), "delta", manifest.base_version, rel, n
+        )
         return self._commit(info)
 
     def put(self, version: int, weights: Weights, *, base: Weights | None = None) -> VersionInfo:
@@ -195,4 +199,3 @@ class DeltaStore:
             (self.root / info.file).unlink(missing_ok=True)
             dropped.append(v)
         return dropped
-

@@ -1,0 +1,34 @@
+# Two commands on a fresh machine (Python 3.11+ with venv):
+#   make run    install into .venv and run the main job
+#   make test   install into .venv and run lint, types and the tests
+# With CI=true (as .ci/run sets it), `make test` also runs the slow layers and the
+# larger hypothesis profile.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-install
+SLOW := $(if $(filter true,$(CI)),-m "slow or not slow",)
+export HYPOTHESIS_PROFILE ?= $(if $(filter true,$(CI)),ci,default)
+
+.PHONY: install run test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/aurora bench codec
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	PYTHON=$(BIN)/python scripts/typecheck.sh
+
+test: lint
+	$(BIN)/pytest $(SLOW)
+
+bench: $(STAMP)
+	$(BIN)/aurora bench codec --json build/bench-codec.json

@@ -1,0 +1,55 @@
+"""The fixed inputs behind the format-v1 golden fixtures (tests/golden/*.audelta).
+
+Regenerate only on a deliberate format change (and bump FORMAT_VERSION):
+``python -m tests.golden_inputs``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from aurora.codec import Transform, Weights, encode
+from aurora.codec.container import write_delta
+from tests.helpers import tensor_from_raw
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_pair() -> tuple[Weights, Weights]:
+    n = 600
+    i = np.arange(n, dtype=np.uint64)
+    # bf16 bit patterns across several exponents, deterministic without any RNG.
+    base_bf16 = (0x3C00 + (i * 2654435761) % 0x0600).astype(np.uint64)
+    tgt_bf16 = base_bf16.copy()
+    tgt_bf16[i % 7 == 0] += 1
+    tgt_bf16[i % 31 == 3] -= 2
+    tgt_bf16[5] = 0x8000
+    base_i32 = (i * 40503) % 100_000
+    tgt_i32 = base_i32.copy()
+    tgt_i32[::50] += 3
+    base = {"layer.weight": tensor_from_raw("bfloat16", base_bf16, (20, 30)),
+            "step": tensor_from_raw("int32", base_i32[:10], (10,)),
+            "scalar": tensor_from_raw("float32", np.array([0x3F800000], np.uint64), ())}  # fmt: skip
+    target = {"layer.weight": tensor_from_raw("bfloat16", tgt_bf16, (20, 30)),
+              "step": tensor_from_raw("int32", tgt_i32[:10], (10,)),
+              "scalar": tensor_from_raw("float32", np.array([0x3F800001], np.uint64), ())}  # fmt: skip
+    return Weights.from_tensors(base), Weights.from_tensors(target)
+
+
+def golden_bytes(transform: Transform) -> bytes:
+    import io
+
+    b, t = golden_pair()
+    d = encode(b, t, base_version=7, target_version=8, transform=transform)
+    buf = io.BytesIO()
+    write_delta(buf, d.manifest, d.chunks)
+    return buf.getvalue()
+
+
+if __name__ == "__main__":
+    GOLDEN.mkdir(exist_ok=True)
+    for tr in (Transform.SUB, Transform.XOR):
+        (GOLDEN / f"v1-{tr.name.lower()}.audelta").write_bytes(golden_bytes(tr))
+    print("wrote", sorted(p.name for p in GOLDEN.iterdir()))
