@@ -1,0 +1,7 @@
+"""The actor runtime: actors, refs, supervisors and the clock."""
+
+from aurora.runtime.actor import Actor, ActorCell, ActorRef, Exit
+from aurora.runtime.clock import Clock, LoopClock, VirtualClock
+from aurora.runtime.supervisor import ChildSpec, Supervisor
+
+__all__ = ["Actor", "ActorCell", "ActorRef", "ChildSpec", "Clock", "Exit", "LoopClock", "Supervisor", "VirtualClock"]

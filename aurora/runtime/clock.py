@@ -1,0 +1,82 @@
+"""`Clock`: the one place that reads time in the runtime.
+
+`LoopClock` reads the running event loop's monotonic time; `VirtualClock`
+(tests) only moves when told to, waking sleepers in deadline order. Timeouts in
+the runtime go through `Clock.wait_for`, so a virtual clock drives them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def sleep(self, delay_s: float) -> None: ...
+
+    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
+        """Await ``aw``; raise `TimeoutError` after ``timeout_s`` (``aw`` is cancelled)."""
+        ...
+
+
+class LoopClock:
+    """Real time: the event loop's monotonic clock."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, delay_s: float) -> None:
+        await asyncio.sleep(max(0.0, delay_s))
+
+    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
+        async with asyncio.timeout(timeout_s):
+            return await aw
+
+
+class VirtualClock:
+    """Time that advances only through `advance`; for deterministic runtime tests."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    async def sleep(self, delay_s: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + max(0.0, delay_s), next(self._seq), fut))
+        await fut
+
+    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
+        task = asyncio.ensure_future(aw)
+        timer = asyncio.ensure_future(self.sleep(timeout_s))
+        try:
+            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise TimeoutError(f"timed out after {timeout_s} s of virtual time")
+
+    async def advance(self, delta_s: float) -> None:
+        """Move time forward, waking every sleeper whose deadline passes, in order."""
+        target = self._now + delta_s
+        while self._sleepers and self._sleepers[0][0] <= target:
+            when, _, fut = heapq.heappop(self._sleepers)
+            self._now = max(self._now, when)
+            if not fut.done():
+                fut.set_result(None)
+            # Let woken tasks run (and maybe sleep again) before the next deadline.
+            for _ in range(5):
+                await asyncio.sleep(0)
+        self._now = target
