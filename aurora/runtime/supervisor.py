@@ -208,7 +208,7 @@ class Supervisor:
         except asyncio.CancelledError:
             self._exits.put_nowait((c, gen, Exit.KILLED, None))
             raise  # a cancelled task does not abort its TaskGroup
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  # a supervisor must see every crash
             self._exits.put_nowait((c, gen, Exit.CRASH, e))
         else:
             self._exits.put_nowait((c, gen, Exit.NORMAL, None))
@@ -269,7 +269,7 @@ class Supervisor:
             if g.task is None and (g is c or g.spec.restart != "temporary"):
                 try:
                     await self._start(g)
-                except Exception as e:  # a failed restart is one more exit, under the same budget
+                except Exception as e:  # noqa: BLE001  # a failed restart is one more exit, same budget
                     self._exits.put_nowait((g, g.generation, Exit.CRASH, e))
                     return
 
