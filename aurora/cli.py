@@ -53,12 +53,17 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec}")
+    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors}")
     c = bs.add_parser("codec", help="delta sizes vs published designs, and codec throughput",
                       description="Train a small transformer a few AdamW steps (lr 1e-6 and 1e-5), plus synthetic "
                       "densities, and compare delta sizes and throughput.")  # fmt: skip
     c.add_argument("--quick", action="store_true", help="smaller model and sizes (seconds, not a minute)")
     c.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    a = bs.add_parser("actors", help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
+                      description="Messages per second through ActorRef.tell and round trips per second through "
+                      "ActorRef.ask, next to a bare asyncio.Queue measured in the same run.")  # fmt: skip
+    a.add_argument("-n", "--messages", type=int, default=200_000, help="messages per measurement (default 200000)")
+    a.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,11 +193,21 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_actors(args: argparse.Namespace) -> int:
+    from aurora.bench.actors import run
+
+    if args.messages < 100:
+        raise AuroraError(f"--messages must be at least 100, got {args.messages}")
+    run(n=args.messages, json_path=args.json)
+    return 0
+
+
 COMMANDS = {
     ("delta", "encode"): cmd_delta_encode,
     ("delta", "apply"): cmd_delta_apply,
     ("delta", "inspect"): cmd_delta_inspect,
     ("bench", "codec"): cmd_bench_codec,
+    ("bench", "actors"): cmd_bench_actors,
 }
 
 

@@ -43,13 +43,10 @@ class Echo(Actor):
 
 
 async def _running(sup: Supervisor) -> asyncio.Task[None]:
+    # A loose task on purpose: tests cancel or await it themselves.
+    sup.ready = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(sup.run())
-    for _ in range(200):
-        if sup.ready is not None and sup.ready.done():
-            break
-        await asyncio.sleep(0.005)
-    assert sup.ready is not None
-    await sup.ready
+    await asyncio.shield(sup.ready)
     return task
 
 
@@ -226,3 +223,22 @@ async def test_cancelling_the_root_shuts_everything_down() -> None:
         await task
     assert set(EVENTS) >= {"stop a", "stop w"}
     _no_leaks(before)
+
+
+async def test_backoff_runs_on_the_supervisors_clock() -> None:
+    from aurora.runtime import VirtualClock
+
+    clock = VirtualClock()
+    sup = Supervisor("root", [ChildSpec("a", actor=lambda: Echo("a"))], backoff_s=10.0, max_backoff_s=60.0, max_restarts=5, within_s=1000,
+                     clock=clock)  # fmt: skip
+    task = await _running(sup)
+    with pytest.raises(RuntimeError):
+        await sup.ref("a").ask("crash")
+    await asyncio.sleep(0.05)
+    assert not sup.ref("a").alive  # waiting out 10 s of virtual backoff
+    await clock.advance(9.0)
+    assert not sup.ref("a").alive
+    await clock.advance(1.5)
+    await _settle(lambda: sup.ref("a").alive)
+    sup.stop()
+    await task

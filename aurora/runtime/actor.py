@@ -249,14 +249,16 @@ class ActorRef:
         """Request/reply. Cancellation-safe (the reply is dropped)."""
         cell = self._live_cell()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        env = Envelope(msg, fut)
 
         async def exchange() -> Any:
-            await cell.put(Envelope(msg, fut))
+            await cell.put(env)
             if cell.closed and not fut.done():
                 raise ActorDead(f"actor {self.name!r} stopped")
             return await fut
 
         try:
-            return await self.clock.wait_for(exchange(), timeout_s)
+            # Fast path: room in the mailbox, so only the reply is awaited (no extra coroutine).
+            return await self.clock.wait_for(fut if cell.try_put(env) else exchange(), timeout_s)
         except TimeoutError:
             raise TimeoutError(f"ask to actor {self.name!r} timed out after {timeout_s} s") from None

@@ -121,6 +121,17 @@ class Supervisor:
                 return c.sup
         raise KeyError(f"supervisor {self.name!r} has no running supervisor child {name!r}")
 
+    async def start_in(self, tg: asyncio.TaskGroup) -> asyncio.Task[None]:
+        """Run this supervisor as a task of ``tg``; return once every child is ready.
+
+        Raises the start error if a child fails to start (the task then ends too).
+        """
+        if self.ready is None:
+            self.ready = asyncio.get_running_loop().create_future()
+        task = tg.create_task(self.run(), name=f"supervisor/{self.name}")
+        await asyncio.shield(self.ready)
+        return task
+
     def stop(self) -> None:
         """Request an orderly shutdown (children in reverse order); `run` then returns."""
         self._stop.set()

@@ -1,0 +1,1 @@
+"""Test machinery that is product code: simulated networks, in-memory transports."""

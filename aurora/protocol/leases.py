@@ -1,0 +1,330 @@
+"""Work leases: `LeaseTable` (coordinator side) and `LeaseHolder` (worker side).
+
+A work item is handed out as a `Lease` with a TTL and a *fencing token* (a
+number that only ever grows). The holder renews it while working and returns
+the result with the token.
+
+Invariants (each has a property test in tests/test_protocol_*.py):
+
+* At any instant an item has at most one valid lease: the table keeps one
+  current lease per item, and a grant or re-grant always mints a new token.
+* A result is accepted only under the item's current, unexpired lease and
+  from its holder; a late result from an expired or fenced holder is
+  rejected, and an item is accepted at most once (``done``).
+* An expired lease returns its item to the front of the pool; so does every
+  lease of a worker that is dropped (`drop_worker`, on `PeerLost`).
+* Work is shared by measured throughput: a grant gives a worker
+  ``clamp(ceil(rate * batch_s), floor, max_batch)`` items minus what it holds,
+  where ``rate`` is an EMA of its accepted results per second; a worker with no
+  measurement yet gets ``floor`` items so that it gets measured.
+
+No clock reads: every method takes ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+Item = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    item: Item
+    worker: str
+    token: int
+    granted_at: float
+    expires_at: float
+
+    @property
+    def ttl_s(self) -> float:
+        return self.expires_at - self.granted_at
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired:
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class ResultAccepted:
+    lease: Lease
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRejected:
+    item: Item
+    worker: str
+    token: int
+    reason: str
+    """'expired', 'fenced', 'duplicate', 'unknown' or 'not-holder'."""
+
+
+LeaseEvent = LeaseExpired | ResultAccepted | ResultRejected
+
+
+@dataclass(slots=True)
+class _Worker:
+    rate: float | None = None
+    last_accept: float | None = None
+    held: set[Item] = field(default_factory=set)
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 30.0,
+        floor: int = 1,
+        max_batch: int = 64,
+        batch_s: float = 10.0,
+        ema_alpha: float = 0.3,
+    ) -> None:
+        if ttl_s <= 0 or floor < 1 or max_batch < floor or not 0 < ema_alpha <= 1:
+            raise ValueError("need ttl_s > 0, 1 <= floor <= max_batch, 0 < ema_alpha <= 1")
+        self.ttl_s = ttl_s
+        self.floor = floor
+        self.max_batch = max_batch
+        self.batch_s = batch_s
+        self.ema_alpha = ema_alpha
+        self._pool: deque[Item] = deque()
+        self._known: set[Item] = set()
+        self._current: dict[Item, Lease] = {}
+        self._done: set[Item] = set()
+        self._workers: dict[str, _Worker] = {}
+        self._next_token = 1
+        self._events: list[LeaseEvent] = []
+
+    # ------------------------------------------------------------------ inputs
+    def add_items(self, items: Iterable[Item]) -> None:
+        for it in items:
+            if it in self._known:
+                raise ValueError(f"item {it!r} was already added")
+            self._known.add(it)
+            self._pool.append(it)
+
+    def quota(self, worker: str) -> int:
+        """How many more items ``worker`` may hold now."""
+        w = self._workers.setdefault(worker, _Worker())
+        if w.rate is None:
+            target = self.floor
+        else:
+            target = min(self.max_batch, max(self.floor, math.ceil(w.rate * self.batch_s)))
+        return max(0, target - len(w.held))
+
+    def grant(self, worker: str, now: float, want: int | None = None) -> list[Lease]:
+        """Lease up to ``min(want, quota)`` pooled items to ``worker``."""
+        self.tick(now)
+        n = self.quota(worker) if want is None else min(want, self.quota(worker))
+        w = self._workers[worker]
+        out: list[Lease] = []
+        while self._pool and len(out) < n:
+            it = self._pool.popleft()
+            lease = Lease(it, worker, self._next_token, now, now + self.ttl_s)
+            self._next_token += 1
+            self._current[it] = lease
+            w.held.add(it)
+            out.append(lease)
+        return out
+
+    def renew(self, worker: str, tokens: Iterable[int], now: float) -> list[Lease]:
+        """Extend the named, still-valid leases of ``worker``; returns the renewed leases."""
+        self.tick(now)
+        wanted = set(tokens)
+        out = []
+        for it in list(self._workers.get(worker, _Worker()).held):
+            cur = self._current.get(it)
+            if cur is not None and cur.token in wanted and cur.worker == worker:
+                new = Lease(it, worker, cur.token, cur.granted_at, now + self.ttl_s)
+                self._current[it] = new
+                out.append(new)
+        return out
+
+    def complete(self, worker: str, item: Item, token: int, now: float) -> bool:
+        """Offer a result; True if accepted (see the invariants)."""
+        self.tick(now)
+        reason = self._reject_reason(worker, item, token, now)
+        if reason is not None:
+            self._events.append(ResultRejected(item, worker, token, reason))
+            return False
+        lease = self._current.pop(item)
+        self._done.add(item)
+        w = self._workers[worker]
+        w.held.discard(item)
+        if w.last_accept is not None and now > w.last_accept:
+            sample = 1.0 / (now - w.last_accept)
+            w.rate = sample if w.rate is None else (1 - self.ema_alpha) * w.rate + self.ema_alpha * sample
+        elif w.rate is None and now > lease.granted_at:
+            w.rate = 1.0 / (now - lease.granted_at)
+        w.last_accept = now
+        self._events.append(ResultAccepted(lease, now))
+        return True
+
+    def _reject_reason(self, worker: str, item: Item, token: int, now: float) -> str | None:
+        if item in self._done:
+            return "duplicate"
+        if item not in self._known:
+            return "unknown"
+        cur = self._current.get(item)
+        if cur is None:
+            return "expired"
+        if cur.token != token:
+            return "fenced" if token < cur.token else "unknown"
+        if cur.worker != worker:
+            return "not-holder"
+        if now >= cur.expires_at:
+            return "expired"
+        return None
+
+    def tick(self, now: float) -> None:
+        """Expire leases whose TTL passed; their items go back to the front of the pool."""
+        for it, lease in list(self._current.items()):
+            if now >= lease.expires_at:
+                self._expire(it, lease)
+
+    def drop_worker(self, worker: str) -> None:
+        """The worker is lost: expire all its leases now and forget its rate."""
+        w = self._workers.pop(worker, None)
+        if w is None:
+            return
+        for it in list(w.held):
+            lease = self._current.get(it)
+            if lease is not None and lease.worker == worker:
+                self._expire(it, lease)
+
+    def _expire(self, it: Item, lease: Lease) -> None:
+        del self._current[it]
+        w = self._workers.get(lease.worker)
+        if w is not None:
+            w.held.discard(it)
+        self._pool.appendleft(it)
+        self._events.append(LeaseExpired(lease))
+
+    # ------------------------------------------------------------------ outputs
+    def events(self) -> list[LeaseEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        return min((lease.expires_at for lease in self._current.values()), default=None)
+
+    def current(self, item: Item) -> Lease | None:
+        return self._current.get(item)
+
+    def valid_leases(self, now: float) -> list[Lease]:
+        return [lease for lease in self._current.values() if now < lease.expires_at]
+
+    def rate(self, worker: str) -> float | None:
+        w = self._workers.get(worker)
+        return None if w is None else w.rate
+
+    @property
+    def pending(self) -> int:
+        return len(self._pool)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._current)
+
+    @property
+    def done(self) -> frozenset[Item]:
+        return frozenset(self._done)
+
+    @property
+    def finished(self) -> bool:
+        return len(self._done) == len(self._known)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLease:
+    lease: Lease
+    local_expiry: float
+    """When this holder must stop counting on the lease, in its own clock."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalLeaseExpired:
+    lease: Lease
+
+
+class LeaseHolder:
+    """Worker side: track leases by local time, renew before expiry, stop working after it.
+
+    The holder computes expiry from *its* receive time and the lease's TTL minus
+    ``safety_s``, so clock offsets between nodes do not matter; a network delay
+    only makes it give up earlier than the table would.
+    """
+
+    def __init__(self, worker: str, *, renew_fraction: float = 0.5, safety_s: float = 0.0) -> None:
+        self.worker = worker
+        self.renew_fraction = renew_fraction
+        self.safety_s = safety_s
+        self._held: dict[Item, HeldLease] = {}
+        self._renew_sent: dict[Item, float] = {}
+        self._events: list[LocalLeaseExpired] = []
+
+    def on_granted(self, leases: Iterable[Lease], now: float) -> None:
+        for lease in leases:
+            self._held[lease.item] = HeldLease(lease, now + lease.ttl_s - self.safety_s)
+            self._renew_sent.pop(lease.item, None)
+
+    def on_renewed(self, leases: Iterable[Lease], now: float) -> None:
+        for lease in leases:
+            if lease.item in self._held and self._held[lease.item].lease.token == lease.token:
+                self.on_granted([Lease(lease.item, lease.worker, lease.token, now, now + lease.ttl_s)], now)
+
+    def renewals_due(self, now: float) -> list[int]:
+        """Tokens to renew now (each asked once per lease period)."""
+        out = []
+        for it, h in self._held.items():
+            start = h.local_expiry - (h.lease.ttl_s - self.safety_s)
+            due = start + (h.local_expiry - start) * self.renew_fraction
+            if now >= due and it not in self._renew_sent:
+                self._renew_sent[it] = now
+                out.append(h.lease.token)
+        return out
+
+    def tick(self, now: float) -> None:
+        for it, h in list(self._held.items()):
+            if now >= h.local_expiry:
+                del self._held[it]
+                self._renew_sent.pop(it, None)
+                self._events.append(LocalLeaseExpired(h.lease))
+
+    def take(self, item: Item) -> Lease | None:
+        """Finish ``item``: the lease to send its result under (None if no longer held)."""
+        h = self._held.pop(item, None)
+        self._renew_sent.pop(item, None)
+        return None if h is None else h.lease
+
+    def drop_all(self) -> list[Lease]:
+        """Forget everything (crash/restart): leases are the coordinator's to reclaim."""
+        out = [h.lease for h in self._held.values()]
+        self._held.clear()
+        self._renew_sent.clear()
+        return out
+
+    def events(self) -> list[LocalLeaseExpired]:
+        out, self._events = self._events, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        cands = []
+        for it, h in self._held.items():
+            cands.append(h.local_expiry)
+            if it not in self._renew_sent:
+                start = h.local_expiry - (h.lease.ttl_s - self.safety_s)
+                cands.append(start + (h.local_expiry - start) * self.renew_fraction)
+        return min(cands, default=None)
+
+    @property
+    def items(self) -> list[Item]:
+        return list(self._held)
+
+    def lease(self, item: Item) -> Lease | None:
+        h = self._held.get(item)
+        return None if h is None else h.lease

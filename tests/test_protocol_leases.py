@@ -1,0 +1,124 @@
+"""LeaseTable and LeaseHolder: pure, against a tiny reference model."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aurora.protocol import LeaseHolder, LeaseTable, ResultAccepted, ResultRejected
+from aurora.protocol.leases import LeaseExpired
+
+
+def test_grant_complete_and_late_results_are_rejected() -> None:
+    t = LeaseTable(ttl_s=10)
+    t.add_items(["a", "b"])
+    (la,) = t.grant("w1", 0.0)
+    assert la.item == "a"
+    assert t.complete("w1", "a", la.token, 5.0)
+    assert not t.complete("w1", "a", la.token, 5.5)  # duplicate
+    (lb,) = t.grant("w1", 6.0)
+    t.tick(16.0)  # expired: back to the pool
+    (lb2,) = t.grant("w2", 16.5)
+    assert lb2.item == "b"
+    assert lb2.token > lb.token
+    assert not t.complete("w1", "b", lb.token, 17.0)  # fenced
+    assert t.complete("w2", "b", lb2.token, 17.0)
+    reasons = [e.reason for e in t.events() if isinstance(e, ResultRejected)]
+    assert reasons == ["duplicate", "fenced"]
+    assert t.finished
+
+
+def test_renewal_extends_and_drop_worker_reclaims() -> None:
+    t = LeaseTable(ttl_s=10, floor=2)
+    t.add_items(range(4))
+    ls = t.grant("w", 0.0)
+    assert len(ls) == 2
+    (r,) = t.renew("w", [ls[0].token], 8.0)
+    assert r.expires_at == 18.0
+    t.tick(12.0)
+    assert t.current(ls[0].item) is not None
+    assert t.current(ls[1].item) is None
+    t.drop_worker("w")
+    assert t.in_flight == 0
+    assert t.pending == 4
+    assert sum(isinstance(e, LeaseExpired) for e in t.events()) == 2
+
+
+def test_work_is_shared_by_measured_throughput() -> None:
+    t = LeaseTable(ttl_s=100, floor=1, max_batch=64, batch_s=2)
+    t.add_items(range(1000))
+    now = 0.0
+    # fast completes one item per 0.1 s, slow one per 1 s
+    for worker, period in (("fast", 0.1), ("slow", 1.0)):
+        now = 0.0
+        for _ in range(6):
+            for lease in t.grant(worker, now):
+                now += period
+                assert t.complete(worker, lease.item, lease.token, now)
+    fast, slow = t.quota("fast"), t.quota("slow")
+    assert fast >= 8 * slow  # about 10x the throughput, about 10x the work
+    assert t.quota("new") == 1  # a new worker gets the floor, to be measured
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> list[tuple[str, str, float]]:
+    ops = st.tuples(st.sampled_from(["grant", "complete", "complete_stale", "renew", "tick", "drop"]),
+                    st.sampled_from(["w1", "w2", "w3"]), st.floats(0, 4))  # fmt: skip
+    return draw(st.lists(ops, max_size=80))
+
+
+@given(schedules())
+def test_lease_invariants_against_a_reference_model(ops: list[tuple[str, str, float]]) -> None:
+    t = LeaseTable(ttl_s=5, floor=2, max_batch=4)
+    items = list(range(10))
+    t.add_items(items)
+    now = 0.0
+    ever: dict[int, list[tuple[int, str]]] = {}  # item -> [(token, worker)] in grant order
+    expiry: dict[int, float] = {}  # token -> expiry, from the table's own answers
+    accepted: dict[int, int] = {}
+    for op, w, dt in ops:
+        now += dt
+        if op == "grant":
+            for lease in t.grant(w, now):
+                ever.setdefault(lease.item, []).append((lease.token, w))
+                expiry[lease.token] = lease.expires_at
+        elif op in ("complete", "complete_stale"):
+            for it, hist in ever.items():
+                token, holder = hist[0] if op == "complete_stale" else hist[-1]
+                if holder == w:
+                    ok = t.complete(w, it, token, now)
+                    latest = ever[it][-1][0]
+                    if ok:
+                        # reference: only the newest token, unexpired, never twice
+                        assert token == latest
+                        assert now < expiry[token]
+                        assert it not in accepted
+                        accepted[it] = token
+                    break
+        elif op == "renew":
+            for lease in t.renew(w, list(expiry), now):
+                expiry[lease.token] = lease.expires_at
+        elif op == "tick":
+            t.tick(now)
+        else:
+            t.drop_worker(w)
+        valid = t.valid_leases(now)
+        assert len({lease.item for lease in valid}) == len(valid)  # at most one valid lease per item
+        assert not {lease.item for lease in valid} & set(accepted)
+    assert {e.lease.item for e in t.events() if isinstance(e, ResultAccepted)} == set(accepted)
+    assert t.done == frozenset(accepted)
+
+
+def test_holder_renews_and_gives_up_by_its_own_clock() -> None:
+    t = LeaseTable(ttl_s=10)
+    t.add_items(["x"])
+    h = LeaseHolder("w", renew_fraction=0.5, safety_s=1.0)
+    (lease,) = t.grant("w", 0.0)
+    h.on_granted([lease], 100.0)  # the worker's clock is offset by 100 s
+    assert h.renewals_due(103.0) == []
+    assert h.renewals_due(105.0) == [lease.token]
+    assert h.renewals_due(105.5) == []  # asked once
+    h.tick(109.0)  # 10 s ttl - 1 s safety
+    assert h.items == []
+    assert [e.lease.token for e in h.events()] == [lease.token]
+    assert h.take("x") is None
