@@ -234,7 +234,10 @@ class ActorRef:
     async def tell(self, msg: Any) -> None:
         """Queue ``msg``; waits while the mailbox is full. Raises `ActorDead` if not running."""
         cell = self._live_cell()
-        await cell.put(Envelope(msg))
+        env = Envelope(msg)
+        if cell.try_put(env):
+            return
+        await cell.put(env)
         if cell.closed:  # stopped while we waited: the message will never be read
             raise ActorDead(f"actor {self.name!r} stopped")
 
@@ -257,8 +260,19 @@ class ActorRef:
                 raise ActorDead(f"actor {self.name!r} stopped")
             return await fut
 
+        if not cell.try_put(env):
+            try:
+                return await self.clock.wait_for(exchange(), timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"ask to actor {self.name!r} timed out after {timeout_s} s") from None
+
+        # Fast path (room in the mailbox): a timer on the reply future, no extra coroutine or task.
+        def expire() -> None:
+            if not fut.done():
+                fut.set_exception(TimeoutError(f"ask to actor {self.name!r} timed out after {timeout_s} s"))
+
+        timer = self.clock.call_later(timeout_s, expire)
         try:
-            # Fast path: room in the mailbox, so only the reply is awaited (no extra coroutine).
-            return await self.clock.wait_for(fut if cell.try_put(env) else exchange(), timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"ask to actor {self.name!r} timed out after {timeout_s} s") from None
+            return await fut
+        finally:
+            timer.cancel()

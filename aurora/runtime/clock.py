@@ -10,14 +10,22 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
 class Clock(Protocol):
     def now(self) -> float: ...
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> Timer:
+        """Run ``callback`` once after ``delay_s``; the returned timer can cancel it."""
+        ...
 
     async def sleep(self, delay_s: float) -> None: ...
 
@@ -32,6 +40,9 @@ class LoopClock:
     def now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_later(max(0.0, delay_s), callback)
+
     async def sleep(self, delay_s: float) -> None:
         await asyncio.sleep(max(0.0, delay_s))
 
@@ -45,16 +56,24 @@ class VirtualClock:
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._timers: list[tuple[float, int, _VirtualTimer]] = []
         self._seq = itertools.count()
 
     def now(self) -> float:
         return self._now
 
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> Timer:
+        t = _VirtualTimer(callback)
+        heapq.heappush(self._timers, (self._now + max(0.0, delay_s), next(self._seq), t))
+        return t
+
     async def sleep(self, delay_s: float) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._now + max(0.0, delay_s), next(self._seq), fut))
-        await fut
+        t = self.call_later(delay_s, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            t.cancel()
 
     async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
         task = asyncio.ensure_future(aw)
@@ -71,12 +90,26 @@ class VirtualClock:
     async def advance(self, delta_s: float) -> None:
         """Move time forward, waking every sleeper whose deadline passes, in order."""
         target = self._now + delta_s
-        while self._sleepers and self._sleepers[0][0] <= target:
-            when, _, fut = heapq.heappop(self._sleepers)
+        while self._timers and self._timers[0][0] <= target:
+            when, _, t = heapq.heappop(self._timers)
             self._now = max(self._now, when)
-            if not fut.done():
-                fut.set_result(None)
+            t.fire()
             # Let woken tasks run (and maybe sleep again) before the next deadline.
             for _ in range(5):
                 await asyncio.sleep(0)
         self._now = target
+
+
+class _VirtualTimer:
+    __slots__ = ("_callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback: Callable[[], None] | None = callback
+
+    def cancel(self) -> None:
+        self._callback = None
+
+    def fire(self) -> None:
+        cb, self._callback = self._callback, None
+        if cb is not None:
+            cb()
