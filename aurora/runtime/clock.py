@@ -69,7 +69,12 @@ class VirtualClock:
 
     async def sleep(self, delay_s: float) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        t = self.call_later(delay_s, lambda: fut.done() or fut.set_result(None))
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        t = self.call_later(delay_s, wake)
         try:
             await fut
         finally:
