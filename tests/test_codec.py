@@ -178,3 +178,12 @@ def test_apply_in_place_and_receiver_staging() -> None:
     work2 = b.copy()
     apply_in_place(work2, d.manifest, d.chunks)
     assert work2.digest() == t.digest()
+
+
+def test_threads_give_identical_bytes_and_results() -> None:
+    b = Weights.from_tensors({"w": torch.randn(5_000_000).to(torch.bfloat16), "v": torch.randn(100)})
+    t = perturb(b, 0.01, 4)
+    d1 = encode(b, t, base_version=0, target_version=1)
+    d2 = encode(b, t, base_version=0, target_version=1, threads=2)
+    assert d1.chunks == d2.chunks
+    assert apply(b, d2.manifest, d2.chunks, threads=2).digest() == t.digest()

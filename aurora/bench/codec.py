@@ -10,6 +10,7 @@ and apply throughput next to a plain memory copy measured in the same run.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -48,6 +49,9 @@ class SpeedRow:
     encode_gbps: float
     apply_gbps: float
     memcpy_gbps: float
+    threads: int
+    encode_gbps_threads: float
+    apply_gbps_threads: float
 
 
 def size_row(workload: str, b: Weights, t: Weights) -> SizeRow:
@@ -78,28 +82,33 @@ def _best(f: Callable[[], object], reps: int) -> float:
     return best
 
 
-def speed_row(workload: str, b: Weights, t: Weights, reps: int) -> SpeedRow:
+def speed_row(workload: str, b: Weights, t: Weights, reps: int, threads: int) -> SpeedRow:
     nbytes = b.nbytes
     d = encode(b, t, base_version=0, target_version=1)  # also compiles the kernels
     b.tensor_digests()  # a publisher knows its base's digests already
-
-    def enc() -> None:
-        t.forget_digests()
-        encode(b, t, base_version=0, target_version=1)
-
     work = b.copy()
     src = b["w"].bits
     dst = np.empty_like(src)
 
-    def app() -> None:
-        np.copyto(work["w"].bits, src)  # reset (not timed separately: subtracted below)
-        work.forget_digests()
-        apply_in_place(work, d.manifest, d.chunks)
+    def enc(n: int) -> Callable[[], None]:
+        def f() -> None:
+            t.forget_digests()
+            encode(b, t, base_version=0, target_version=1, threads=n)
+
+        return f
+
+    def app(n: int) -> Callable[[], None]:
+        def f() -> None:
+            np.copyto(work["w"].bits, src)  # reset; its time (a memcpy) is subtracted below
+            work.forget_digests()
+            apply_in_place(work, d.manifest, d.chunks, threads=n)
+
+        return f
 
     t_copy = _best(lambda: np.copyto(dst, src), reps)
-    t_enc = _best(enc, reps)
-    t_app = _best(app, reps) - t_copy
-    return SpeedRow(workload, nbytes, nbytes / t_enc / 1e9, nbytes / max(t_app, 1e-9) / 1e9, nbytes / t_copy / 1e9)
+    gbps = [nbytes / _best(enc(n), reps) / 1e9 for n in (1, threads)]
+    gbps_app = [nbytes / max(_best(app(n), reps) - t_copy, 1e-9) / 1e9 for n in (1, threads)]
+    return SpeedRow(workload, nbytes, gbps[0], gbps_app[0], nbytes / t_copy / 1e9, threads, gbps[1], gbps_app[1])
 
 
 def run(
@@ -108,10 +117,16 @@ def run(
     torch.set_num_threads(1)
     sizes: list[SizeRow] = []
     steps = 2 if quick else 4
-    for lr in (1e-6, 1e-5):
-        progress(f"training a small transformer for {steps} AdamW steps at lr {lr:g} ...")
-        vs = [Weights.from_tensors(v) for v in trained_versions(lr, steps, dim=128 if quick else 256)]
-        sizes.extend(size_row(f"trained lr={lr:g} step {i}", vs[i - 1], vs[i]) for i in range(1, len(vs)))
+    models = [(128, 4)] if quick else [(256, 4), (512, 8)]
+    for dim, layers in models:
+        for lr in (1e-6, 1e-5):
+            vs = [Weights.from_tensors(v) for v in trained_versions(lr, steps, dim=dim, layers=layers)]
+            params = sum(w.bits.size for w in vs[0].values())
+            progress(f"trained a {params / 1e6:.1f}M-parameter transformer ({len(vs[0])} tensors) for {steps} "
+                     f"AdamW steps at lr {lr:g}")  # fmt: skip
+            sizes.extend(
+                size_row(f"{params / 1e6:.0f}M lr={lr:g} step {i}", vs[i - 1], vs[i]) for i in range(1, len(vs))
+            )
     n_syn = 1 << (20 if quick else 22)
     for dens in (0.001, 0.01, 0.1):
         b, t = synthetic_pair(n_syn, dens, seed=1)
@@ -119,7 +134,9 @@ def run(
     n_speed = 1 << (22 if quick else 26)
     progress(f"timing encode/apply on {n_speed * 2 / 2**20:.0f} MiB of bf16 weights at 1% density ...")
     b, t = synthetic_pair(n_speed, 0.01, seed=2)
-    speed = speed_row("synthetic 1%", Weights.from_tensors(b), Weights.from_tensors(t), reps=2 if quick else 3)
+    threads = max(1, min(4, os.cpu_count() or 1))
+    speed = speed_row("synthetic 1%", Weights.from_tensors(b), Weights.from_tensors(t), reps=2 if quick else 3,
+                      threads=threads)  # fmt: skip
     result: dict[str, object] = {"sizes": [asdict(r) for r in sizes], "speed": asdict(speed)}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
@@ -129,12 +146,12 @@ def run(
 
 def format_tables(sizes: list[SizeRow], speed: SpeedRow) -> str:
     head = (
-        f"{'workload':<26}{'density':>9}{'changed':>10}{'aurora':>9}{'(coded)':>9}{'leb128':>9}{'int32':>8}"
+        f"{'workload':<24}{'density':>9}{'changed':>10}{'aurora':>9}{'(coded)':>9}{'leb128':>9}{'int32':>8}"
         f"{'H(pos)':>9}{'H(.|exp)':>10}{'vs dense':>10}"
     )
     lines = ["bytes per changed element (all-in; lower is better)", head, "-" * len(head)]
     lines.extend(
-        f"{r.workload:<26}{r.density:>9.3%}{r.changed:>10}{r.ours:>9.3f}{r.ours_coded:>9.3f}{r.leb128:>9.3f}{r.int32:>8.2f}"
+        f"{r.workload:<24}{r.density:>9.3%}{r.changed:>10}{r.ours:>9.3f}{r.ours_coded:>9.3f}{r.leb128:>9.3f}{r.int32:>8.2f}"
         f"{r.blind_entropy:>9.3f}{r.cond_entropy:>10.3f}{r.ratio_vs_dense:>9.0f}x"
         for r in sizes
     )
@@ -148,5 +165,7 @@ def format_tables(sizes: list[SizeRow], speed: SpeedRow) -> str:
         f"  encode {speed.encode_gbps:6.2f} GB/s   ({speed.encode_gbps / speed.memcpy_gbps:.2f}x of memcpy)",
         f"  apply  {speed.apply_gbps:6.2f} GB/s   ({speed.apply_gbps / speed.memcpy_gbps:.2f}x of memcpy; digests checked)",
         f"  memcpy {speed.memcpy_gbps:6.2f} GB/s",
+        f"with {speed.threads} threads (chunks in parallel): encode {speed.encode_gbps_threads:.2f} GB/s, "
+        f"apply {speed.apply_gbps_threads:.2f} GB/s",
     ]
     return "\n".join(lines)

@@ -20,6 +20,7 @@ import numpy as np
 
 from aurora.codec import kernels
 from aurora.codec.format import Chunk, ChunkKind, Manifest, chunk_range, unpack_chunk
+from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import TensorBits, Weights
 from aurora.errors import DeltaFormatError
 
@@ -104,7 +105,7 @@ class DeltaReceiver:
         for c in chunks:
             self.add(c)
 
-    def stage(self, base: Weights | None, *, base_checked: bool = False) -> StagedDelta:
+    def stage(self, base: Weights | None, *, base_checked: bool = False, threads: int = 1) -> StagedDelta:
         """Decode every chunk against ``base`` (unchanged) into patches.
 
         Checks the base's tensor digests first unless ``base_checked`` (the caller
@@ -120,12 +121,13 @@ class DeltaReceiver:
             if base is None:
                 raise DeltaFormatError(f"delta v{m.base_version}->v{m.target_version} needs a base")
             _check_base(m, base, base_checked)
-        patches: list[Patch] = []
-        for (ti, _ci), c in sorted(self._chunks.items()):
+
+        def decode(item: tuple[tuple[int, int], Chunk]) -> Patch | None:
+            (ti, _ci), c = item
             entry = m.tensors[ti]
-            patch = decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
-            if patch is not None:
-                patches.append(patch)
+            return decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
+
+        patches = [p for p in ordered_map(decode, sorted(self._chunks.items()), threads) if p is not None]
         return StagedDelta(m, patches)
 
 
@@ -230,14 +232,18 @@ def receive(manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]
     return r
 
 
-def apply_in_place(weights: Weights, manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> set[str]:
+def apply_in_place(
+    weights: Weights, manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview], *, threads: int = 1
+) -> set[str]:
     """Stage, verify and commit a whole delta into ``weights``; all-or-nothing."""
-    return receive(manifest, chunks).stage(weights).commit(weights)
+    return receive(manifest, chunks).stage(weights, threads=threads).commit(weights)
 
 
-def apply(base: Weights | None, manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> Weights:
+def apply(
+    base: Weights | None, manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview], *, threads: int = 1
+) -> Weights:
     """A new weight set: ``base`` with the delta applied (``base`` is not modified)."""
-    staged = receive(manifest, chunks).stage(base)
+    staged = receive(manifest, chunks).stage(base, threads=threads)
     if base is None:
         out = Weights({t.name: TensorBits(t.dtype, t.shape, np.zeros(t.numel, t.dtype.uint)) for t in manifest.tensors})
     else:

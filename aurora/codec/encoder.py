@@ -28,6 +28,7 @@ from aurora.codec.format import (
     delta_id_for,
     pack_chunk,
 )
+from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import TensorBits, Weights
 from aurora.errors import DeltaFormatError
 
@@ -118,27 +119,46 @@ class EncodeStats:
 
 
 def iter_chunks(
-    manifest: Manifest, base: Weights | None, target: Weights, stats: EncodeStats | None = None
+    manifest: Manifest,
+    base: Weights | None,
+    target: Weights,
+    stats: EncodeStats | None = None,
+    *,
+    threads: int = 1,
 ) -> Iterator[bytes]:
-    """Yield the packed chunks of ``manifest`` in tensor order (each <= MAX_CHUNK_BYTES)."""
-    for ti, entry in enumerate(manifest.tensors):
-        tgt = target[entry.name]
+    """Yield the packed chunks of ``manifest`` in tensor order (each <= MAX_CHUNK_BYTES).
+
+    ``threads > 1`` codes chunks concurrently (the kernels release the GIL); the
+    order and the bytes are the same as with one thread.
+    """
+
+    def jobs() -> Iterator[tuple[int, int]]:
+        for ti, entry in enumerate(manifest.tensors):
+            for ci in range(entry.n_chunks):
+                yield ti, ci
+
+    def code(job: tuple[int, int]) -> tuple[int, int, ChunkKind, int, bytes]:
+        ti, ci = job
+        entry = manifest.tensors[ti]
         src = base[entry.name] if base is not None else None
-        for ci in range(entry.n_chunks):
-            start, stop = chunk_range(entry.numel, entry.dtype, ci)
-            kind, n, body = encode_span(src, tgt, start, stop, manifest.transform)
-            tr = Transform.NONE if kind is ChunkKind.RAW else manifest.transform
-            h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
-            packed = pack_chunk(h, body)
-            if stats is not None:
-                stats.chunks += 1
-                stats.changed += n if src is not None else 0
-                stats.elements += stop - start
-                stats.bytes += len(packed)
-                stats.raw_chunks += kind is ChunkKind.RAW
-                stats.weight_bytes += (stop - start) * entry.dtype.itemsize
-                stats.per_chunk.append((ti, ci, kind, n, len(packed)))
-            yield packed
+        start, stop = chunk_range(entry.numel, entry.dtype, ci)
+        kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform)
+        tr = Transform.NONE if kind is ChunkKind.RAW else manifest.transform
+        h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
+        return ti, ci, kind, n, pack_chunk(h, body)
+
+    for ti, ci, kind, n, packed in ordered_map(code, jobs(), threads):
+        entry = manifest.tensors[ti]
+        start, stop = chunk_range(entry.numel, entry.dtype, ci)
+        if stats is not None:
+            stats.chunks += 1
+            stats.changed += n if base is not None else 0
+            stats.elements += stop - start
+            stats.bytes += len(packed)
+            stats.raw_chunks += kind is ChunkKind.RAW
+            stats.weight_bytes += (stop - start) * entry.dtype.itemsize
+            stats.per_chunk.append((ti, ci, kind, n, len(packed)))
+        yield packed
 
 
 def encode_stream(
@@ -149,10 +169,11 @@ def encode_stream(
     target_version: int,
     transform: Transform = Transform.SUB,
     stats: EncodeStats | None = None,
+    threads: int = 1,
 ) -> tuple[Manifest, Iterator[bytes]]:
     """Manifest now, chunks lazily. ``base=None`` makes a snapshot."""
     m = make_manifest(base, target, base_version, target_version, transform)
-    return m, iter_chunks(m, base, target, stats)
+    return m, iter_chunks(m, base, target, stats, threads=threads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +207,9 @@ def encode(
     base_version: int | None,
     target_version: int,
     transform: Transform = Transform.SUB,
+    threads: int = 1,
 ) -> Delta:
     stats = EncodeStats()
     m, it = encode_stream(base, target, base_version=base_version, target_version=target_version,
-                          transform=transform, stats=stats)  # fmt: skip
+                          transform=transform, stats=stats, threads=threads)  # fmt: skip
     return Delta(m, tuple(it), stats)

@@ -209,6 +209,15 @@ def _bitlen(v: np.uint64) -> int:
 
 
 # --------------------------------------------------------------------------- scan
+@njit(inline="always", cache=True)
+def _rank(counts, b, sh, mk):  # type: ignore[no-untyped-def]
+    """Bucket of base bits ``b`` and its rank there; the encoder and decoder share it."""
+    e = (U64(b) >> sh) & mk
+    r = counts[e]
+    counts[e] = r + 1
+    return e, r
+
+
 @njit(cache=True, nogil=True)
 def find_changes(
     base: np.ndarray, target: np.ndarray, shift: int, mask: int, width: int, transform: int
@@ -232,9 +241,7 @@ def find_changes(
     k = 0
     for i in range(n):
         b = base[i]
-        e = (U64(b) >> sh) & mk
-        r = counts[e]
-        counts[e] = r + 1
+        e, r = _rank(counts, b, sh, mk)
         t = target[i]
         if b != t:
             idx[k] = i
@@ -538,9 +545,7 @@ def locate(
     k = 0
     for i in range(n):
         b = base[i]
-        e = (U64(b) >> sh) & mk
-        r = counts[e]
-        counts[e] = r + 1
+        e, r = _rank(counts, b, sh, mk)
         p = ptr[e]
         if ranks[p] == r:
             ptr[e] = p + 1
