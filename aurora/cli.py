@@ -66,6 +66,16 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
+def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="CurveZMQ keys", description="Manage CurveZMQ key pairs.")
+    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate}")
+    g = ks.add_parser("generate", help="write a new CurveZMQ key pair",
+                      description="Write NAME.key (public, for the topology's allowed keys) and NAME.key_secret "
+                      "(secret, mode 0600) in ZeroMQ certificate format, and print the public key.")  # fmt: skip
+    g.add_argument("name", help="key pair name, e.g. the node id")
+    g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write into (default .)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from aurora import __version__
 
@@ -77,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{delta,bench}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{delta,bench,keys}")
     _add_delta(sub)
     _add_bench(sub)
+    _add_keys(sub)
     return p
 
 
@@ -202,12 +213,35 @@ def cmd_bench_actors(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    import os
+
+    import zmq.auth
+
+    if not args.name or "/" in args.name:
+        raise AuroraError(f"key name {args.name!r} must be a plain file name")
+    pub, sec = args.dir / f"{args.name}.key", args.dir / f"{args.name}.key_secret"
+    for f in (pub, sec):
+        if f.exists():
+            raise AuroraError(f"{f} exists; refusing to overwrite a key")
+    try:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        zmq.auth.create_certificates(str(args.dir), args.name)
+        os.chmod(sec, 0o600)
+        public, _ = zmq.auth.load_certificate(str(pub))
+    except OSError as e:
+        raise AuroraError(f"{args.dir}: cannot write keys: {e.strerror}") from None
+    print(f"wrote {pub} and {sec} (mode 0600); public key: {public.decode()}")
+    return 0
+
+
 COMMANDS = {
     ("delta", "encode"): cmd_delta_encode,
     ("delta", "apply"): cmd_delta_apply,
     ("delta", "inspect"): cmd_delta_inspect,
     ("bench", "codec"): cmd_bench_codec,
     ("bench", "actors"): cmd_bench_actors,
+    ("keys", "generate"): cmd_keys_generate,
 }
 
 

@@ -106,3 +106,19 @@ def test_help_lists_commands() -> None:
     r = subprocess.run([sys.executable, "-m", "aurora", "delta", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
+
+
+def test_keys_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import stat
+
+    import zmq.auth
+
+    assert main(["keys", "generate", "relay-b", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "relay-b.key_secret"))
+    assert public.decode() in out
+    assert secret is not None
+    assert len(public) == 40
+    assert stat.S_IMODE((tmp_path / "relay-b.key_secret").stat().st_mode) == 0o600
+    assert main(["keys", "generate", "relay-b", "-o", str(tmp_path)]) == 2  # never overwrites
+    assert "refusing to overwrite" in capsys.readouterr().err

@@ -132,6 +132,16 @@ class PeerLiveness:
             p.state = PeerState.ALIVE
             self._events.append(PeerRecovered(hb.sender))
 
+    def heard(self, peer: str, now: float) -> None:
+        """Any traffic from ``peer`` counts as a sign of life (a lost peer must heartbeat to rejoin)."""
+        p = self._peers.get(peer)
+        if p is None or p.state is PeerState.LOST:
+            return
+        p.last_heard = max(p.last_heard, now)
+        if p.state is PeerState.SUSPECTED:
+            p.state = PeerState.ALIVE
+            self._events.append(PeerRecovered(peer))
+
     def tick(self, now: float) -> None:
         """Advance to ``now``: queue due heartbeats, turn silence into events."""
         for name, p in self._peers.items():

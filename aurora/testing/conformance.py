@@ -1,0 +1,133 @@
+"""The conformance suite every `Channel` implementation must pass (trio's check_two_way_stream style).
+
+Each check takes a ``LinkFactory``: an async context manager factory yielding a
+`LinkPair` — two connected channels, plus a way to kill one side abruptly
+(no close message) — and asserts one rule of `aurora.transport.base`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+from aurora.errors import TransportClosed
+from aurora.transport.base import Channel, FrameTooLarge
+
+
+@dataclass
+class LinkPair:
+    a: Channel
+    b: Channel
+    kill_b: Callable[[], Awaitable[None]]
+    """End b without a close message (process death); a must notice."""
+    window: int
+    max_frame_bytes: int
+    lost_after_s: float
+
+
+LinkFactory = Callable[[], AbstractAsyncContextManager[LinkPair]]
+
+
+async def check_ordering(link: LinkFactory, n: int = 500) -> None:
+    async with link() as p:
+
+        async def produce() -> None:
+            for i in range(n):
+                await p.a.send({"i": i}, i.to_bytes(4, "little"))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(produce())
+            for i in range(n):
+                m = await p.b.recv()
+                assert m.header["i"] == i, (m.header, i)
+                assert bytes(m.buffers[0]) == i.to_bytes(4, "little")
+
+
+async def check_large_messages(link: LinkFactory) -> None:
+    async with link() as p:
+        size = min(p.max_frame_bytes, 16 * 1024 * 1024)
+        blob = bytes(range(256)) * (size // 256)
+        await p.a.send({"what": "blob"}, blob, b"tail")
+        m = await p.b.recv()
+        assert m.header == {"what": "blob"}
+        assert bytes(m.buffers[0]) == blob
+        assert bytes(m.buffers[1]) == b"tail"
+        try:
+            await p.a.send({}, bytes(p.max_frame_bytes + 1))
+        except FrameTooLarge:
+            pass
+        else:
+            raise AssertionError("an oversized message was accepted")
+
+
+async def check_close_both_directions(link: LinkFactory) -> None:
+    for closer in ("a", "b"):
+        async with link() as p:
+            x, y = (p.a, p.b) if closer == "a" else (p.b, p.a)
+            await x.send({"last": True})
+            await x.close("done here")
+            assert (await y.recv()).header == {"last": True}  # what was sent before close arrives
+            try:
+                await asyncio.wait_for(y.recv(), 5)
+            except TransportClosed as e:
+                assert "done here" in str(e)  # noqa: PT017  # product code: no pytest here
+            else:
+                raise AssertionError("recv after the peer closed returned a message")
+            for f in (x.send({}), x.recv()):
+                try:
+                    await f
+                except TransportClosed:
+                    pass
+                else:
+                    raise AssertionError("a closed channel still works")
+
+
+async def check_peer_death(link: LinkFactory) -> None:
+    async with link() as p:
+        await p.kill_b()
+        try:
+            await asyncio.wait_for(p.a.recv(), p.lost_after_s * 3 + 2)
+        except TransportClosed as e:
+            assert p.a.closed
+            assert "lost" in str(e) or "closed" in str(e)  # noqa: PT017
+        else:
+            raise AssertionError("recv from a dead peer returned a message")
+
+
+async def check_backpressure(link: LinkFactory) -> None:
+    async with link() as p:
+        sent = 0
+
+        async def flood() -> None:
+            nonlocal sent
+            while True:
+                await p.a.send({"i": sent}, b"x" * 1024)
+                sent += 1
+
+        task = asyncio.ensure_future(flood())
+        try:
+            await asyncio.sleep(0.3)
+            stalled_at = sent
+            assert stalled_at <= p.window + 1, f"sender got {stalled_at} messages ahead of a window of {p.window}"
+            await asyncio.sleep(0.2)
+            assert sent == stalled_at, "sender kept going while the receiver read nothing"
+            for _ in range(p.window):
+                await p.b.recv()
+            await asyncio.sleep(0.2)
+            assert sent > stalled_at, "sender did not resume once the receiver read"
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+CHECKS: dict[str, Callable[[LinkFactory], Awaitable[None]]] = {
+    "ordering": check_ordering,
+    "large_messages": check_large_messages,
+    "close_both_directions": check_close_both_directions,
+    "peer_death": check_peer_death,
+    "backpressure": check_backpressure,
+}
+
+__all__ = ["CHECKS", "AsyncIterator", "LinkFactory", "LinkPair"]

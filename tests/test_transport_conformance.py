@@ -1,0 +1,54 @@
+"""The channel conformance suite against the in-memory and ZeroMQ transports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from aurora.transport.zmq import LinkConfig, ZmqClient, ZmqServer
+
+from aurora.testing.conformance import CHECKS, LinkFactory, LinkPair
+from aurora.testing.memory import memory_channel_pair
+
+CFG = LinkConfig(window=16, max_frame_bytes=32 * 1024 * 1024, heartbeat_s=0.1, suspect_after_s=0.4, lost_after_s=0.8)
+
+
+@contextlib.asynccontextmanager
+async def memory_link() -> AsyncIterator[LinkPair]:
+    a, b = memory_channel_pair(window=CFG.window, max_frame_bytes=CFG.max_frame_bytes)
+
+    async def kill_b() -> None:
+        a._shut("peer lost: in-process peer died")
+
+    yield LinkPair(a, b, kill_b, CFG.window, CFG.max_frame_bytes, CFG.lost_after_s)
+
+
+@contextlib.asynccontextmanager
+async def zmq_link() -> AsyncIterator[LinkPair]:
+    server = ZmqServer("parent", cfg=CFG)
+    client = ZmqClient("child", "", "parent", cfg=CFG)
+    async with asyncio.TaskGroup() as tg:
+        addr = await server.start_in(tg)
+        client.connect_addr = addr
+        b = await client.start_in(tg)
+        a = await asyncio.wait_for(server.accept(), 5)
+
+        async def kill_b() -> None:
+            await client.close_abruptly()
+
+        try:
+            yield LinkPair(a, b, kill_b, CFG.window, CFG.max_frame_bytes, CFG.lost_after_s)
+        finally:
+            await client.close()
+            await server.close()
+
+
+LINKS: dict[str, LinkFactory] = {"memory": memory_link, "zmq": zmq_link}
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("transport", sorted(LINKS))
+async def test_conformance(transport: str, check: str) -> None:
+    await asyncio.wait_for(CHECKS[check](LINKS[transport]), 30)

@@ -1,0 +1,74 @@
+"""The transport interface every Aurora link implements, and its wire framing.
+
+A `Channel` is an ordered, reliable, flow-controlled message pipe to one peer.
+A message is a small header (a msgpack-able map) plus raw buffers, which
+transports pass without copying where the library allows.
+
+Rules every implementation keeps (checked by `aurora.testing.conformance`):
+
+* messages arrive once, in the order sent, header and buffers intact;
+* `send` waits while the peer holds ``window`` unread messages (credit-based
+  flow control), so memory stays bounded whatever the peer does;
+* a message above ``max_frame_bytes`` is refused at `send` with
+  `FrameTooLarge`, never buffered;
+* `close(reason)` is seen by the peer: its `recv` raises `TransportClosed`
+  carrying the reason; after close, `send` and `recv` raise too;
+* a peer that dies without closing is detected (heartbeats) and the channel
+  closes with a reason saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aurora.errors import AuroraError
+
+DEFAULT_WINDOW = 64
+"""Unread messages a receiver lets a sender have in flight."""
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class FrameTooLarge(AuroraError):
+    """A message is larger than the link's ``max_frame_bytes``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    header: Mapping[str, Any]
+    buffers: Sequence[memoryview] = field(default_factory=tuple)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+class Channel(Protocol):
+    peer: str
+    """The peer's node id."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def close_reason(self) -> str | None: ...
+
+    async def send(self, header: Mapping[str, Any], *buffers: bytes | memoryview) -> None:
+        """Send one message; waits for flow-control credit. Cancellation-safe before the send starts."""
+        ...
+
+    async def recv(self) -> Message:
+        """The next message; raises `TransportClosed` (with the reason) once closed."""
+        ...
+
+    async def close(self, reason: str = "closed") -> None: ...
+
+
+def check_frame(buffers: Sequence[bytes | memoryview], max_frame_bytes: int, peer: str) -> None:
+    n = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
+    if n > max_frame_bytes:
+        raise FrameTooLarge(
+            f"message of {n} bytes to {peer!r} exceeds max_frame_bytes={max_frame_bytes}; "
+            "send large payloads through the bulk layer"
+        )
