@@ -149,7 +149,7 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_delta_inspect(args: argparse.Namespace) -> int:
-    from aurora.codec import DeltaReceiver, unpack_chunk
+    from aurora.codec import DeltaReceiver
     from aurora.codec.container import load_delta_file
     from aurora.codec.format import pack_manifest
 
@@ -157,8 +157,7 @@ def cmd_delta_inspect(args: argparse.Namespace) -> int:
     rx = DeltaReceiver(manifest)
     rows: list[dict[str, Any]] = []
     for c in chunks:
-        rx.add(c)
-        h = unpack_chunk(c).header
+        h = rx.add(c).header  # add() has parsed and verified it already
         rows.append({
             "tensor": manifest.tensors[h.tensor_index].name, "chunk": h.chunk_index, "kind": h.kind.name.lower(),
             "transform": h.transform.name.lower(), "elements": h.stop - h.start, "changed": h.n_changed,

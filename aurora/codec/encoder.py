@@ -27,6 +27,7 @@ from aurora.codec.format import (
     chunk_range,
     delta_id_for,
     pack_chunk,
+    pack_manifest,
 )
 from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import TensorBits, Weights
@@ -186,8 +187,6 @@ class Delta:
 
     @property
     def nbytes(self) -> int:
-        from aurora.codec.format import pack_manifest
-
         return len(pack_manifest(self.manifest)) + sum(len(c) for c in self.chunks)
 
     @property
