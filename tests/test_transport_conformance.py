@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from aurora.transport.base import Channel
 from aurora.transport.zmq import LinkConfig, ZmqClient, ZmqServer
 
 from aurora.testing.conformance import CHECKS, LinkFactory, LinkPair
@@ -22,7 +23,11 @@ async def memory_link() -> AsyncIterator[LinkPair]:
     async def kill_b() -> None:
         a._shut("peer lost: in-process peer died")
 
-    yield LinkPair(a, b, kill_b, CFG.window, CFG.max_frame_bytes, CFG.lost_after_s)
+    async def restart_b() -> tuple[Channel, Channel]:
+        a._shut("peer restarted")
+        return memory_channel_pair(window=CFG.window, max_frame_bytes=CFG.max_frame_bytes)
+
+    yield LinkPair(a, b, kill_b, CFG.window, CFG.max_frame_bytes, CFG.lost_after_s, restart_b)
 
 
 @contextlib.asynccontextmanager
@@ -35,13 +40,22 @@ async def zmq_link() -> AsyncIterator[LinkPair]:
         b = await client.start_in(tg)
         a = await asyncio.wait_for(server.accept(), 5)
 
+        clients = [client]
+
         async def kill_b() -> None:
             await client.close_abruptly()
 
+        async def restart_b() -> tuple[Channel, Channel]:
+            await clients[-1].close_abruptly()
+            clients.append(ZmqClient("child", addr, "parent", cfg=CFG))
+            b2 = await clients[-1].start_in(tg)
+            return await asyncio.wait_for(server.accept(), 5), b2
+
         try:
-            yield LinkPair(a, b, kill_b, CFG.window, CFG.max_frame_bytes, CFG.lost_after_s)
+            yield LinkPair(a, b, kill_b, CFG.window, CFG.max_frame_bytes, CFG.lost_after_s, restart_b)
         finally:
-            await client.close()
+            for c in clients:
+                await c.close()
             await server.close()
 
 

@@ -11,7 +11,9 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
   at most ``window`` messages; a peer that overruns the window is cut off.
 * liveness: `PeerLiveness` drives heartbeats both ways; a silent peer closes
   its channel ("peer lost"); a peer that comes back with a new incarnation
-  gets a fresh channel (the old one closes with "peer restarted").
+  gets a fresh channel (the old one closes with "peer restarted"), which
+  `accept` hands out — on either side, since a restarted server is a new
+  incarnation too (incarnations are start times).
 * ``linger=0`` everywhere, so closing never hangs; DEALERs reconnect by
   themselves with exponential backoff (``reconnect_ivl`` .. ``reconnect_ivl_max``).
 * CurveZMQ when keys are given: the server's secret key, and the set of client
@@ -23,6 +25,7 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,12 +34,12 @@ import msgpack
 import structlog
 import zmq
 import zmq.asyncio
-from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_frame
+from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message
+from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost, PeerRejoined
-from aurora.runtime.actor import Credits
 
 log = structlog.get_logger("aurora.transport.zmq")
 
@@ -66,42 +69,28 @@ class LinkConfig:
     reconnect_ivl_max_ms: int = 5000
 
 
+def _incarnation() -> int:
+    """A number that grows across restarts of a process: microseconds of wall-clock time."""
+    return time.time_ns() // 1000
+
+
 def _pack(h: Mapping[str, Any]) -> bytes:
     return msgpack.packb(h, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-class ZmqChannel:
+class ZmqChannel(ChannelBase):
     """One peer's end of a ZeroMQ link (see the module docstring)."""
 
     def __init__(self, link: _Endpoint, peer: str, route: bytes | None) -> None:
-        self.peer = peer
+        super().__init__(peer, link.cfg.window, link.cfg.max_frame_bytes)
         self._link = link
         self._route = route  # ROUTER side: the peer's identity frame
-        self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self._credit = Credits(link.cfg.window)
-        self._consumed = 0
-        self._reason: str | None = None
-        self._closed_ev = asyncio.Event()
-
-    @property
-    def closed(self) -> bool:
-        return self._reason is not None
-
-    @property
-    def close_reason(self) -> str | None:
-        return self._reason
 
     def _frames(self, header: Mapping[str, Any], bufs: tuple[bytes | memoryview, ...]) -> list[Any]:
         frames: list[Any] = [_pack(header), *bufs]
         return [self._route, *frames] if self._route is not None else frames
 
-    async def send(self, header: Mapping[str, Any], *buffers: bytes | memoryview) -> None:
-        if self._reason is not None:
-            raise TransportClosed(f"channel to {self.peer!r} is closed ({self._reason})")
-        check_frame(buffers, self._link.cfg.max_frame_bytes, self.peer)
-        await self._credit.take()
-        if self._reason is not None:
-            raise TransportClosed(f"channel to {self.peer!r} is closed ({self._reason})")
+    async def _transmit(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> None:
         frames = self._frames({"k": "d", "h": dict(header)}, buffers)
         try:
             await self._link.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -121,56 +110,42 @@ class ZmqChannel:
             raise TransportClosed(f"channel to {self.peer!r} closed while sending ({self._reason})")
         send.result()
 
-    async def recv(self) -> Message:
-        msg = await self._inbox.get()
-        if msg is None:
-            self._inbox.put_nowait(None)
-            raise TransportClosed(f"channel from {self.peer!r} is closed ({self._reason})")
-        self._consumed += 1
-        if self._consumed >= max(1, self._link.cfg.window // 2):
-            n, self._consumed = self._consumed, 0
-            await self._control({"k": "c", "n": n})
-        return msg
+    def _report_read(self, total: int) -> None:
+        self._control({"k": "c", "n": total})
 
-    async def close(self, reason: str = "closed") -> None:
-        if self._reason is None:
-            try:
-                await self._control({"k": "x", "reason": reason})
-            finally:
-                self._shut(reason)
+    async def _send_close(self, reason: str) -> None:
+        self._control({"k": "x", "reason": reason})
 
-    async def _control(self, header: Mapping[str, Any]) -> None:
-        """Best effort, never blocks: a control frame that cannot go now is dropped (heartbeats
-        repeat; credit and close are resent by their own logic or made moot by liveness)."""
+    def _control(self, header: Mapping[str, Any]) -> None:
+        """Best effort, never blocks: a control frame that cannot go now is dropped (credit
+        totals are cumulative and repeat with every heartbeat; a lost close is made moot by
+        liveness)."""
         try:
-            await self._link.sock.send_multipart(self._frames(header, ()), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            pass
+            fut: asyncio.Future[Any] = self._link.sock.send_multipart(  # type: ignore[assignment]
+                self._frames(header, ()), flags=zmq.NOBLOCK, copy=False
+            )
         except zmq.ZMQError as e:
+            self._shut(f"send failed: {e}")
+            return
+        fut.add_done_callback(self._control_sent)  # pyzmq settles a NOBLOCK send at once
+
+    def _control_sent(self, fut: asyncio.Future[Any]) -> None:
+        e = None if fut.cancelled() else fut.exception()
+        if e is not None and not isinstance(e, zmq.Again):
             self._shut(f"send failed: {e}")
 
     # -- called by the endpoint's receive loop
-    def _deliver(self, header: Mapping[str, Any], bufs: list[memoryview]) -> None:
+    def _on_frame(self, header: Mapping[str, Any], bufs: list[memoryview]) -> None:
         k = header.get("k")
         if k == "d":
-            if self._inbox.qsize() >= self._link.cfg.window:
-                self._shut(f"peer {self.peer!r} overran the flow-control window")
-                return
-            self._inbox.put_nowait(Message(header.get("h", {}), tuple(bufs)))
+            self._deliver(Message(header.get("h", {}), tuple(bufs)))
         elif k == "c":
-            for _ in range(int(header.get("n", 0))):
-                self._credit.give()
+            self._peer_read(int(header.get("n", 0)))
         elif k == "x":
             self._shut(str(header.get("reason", "closed by peer")))
 
-    def _shut(self, reason: str) -> None:
-        if self._reason is None:
-            self._reason = reason
-            self._credit.close()
-            self._closed_ev.set()
-            self._inbox.put_nowait(None)
-            self._link._forget(self)
-            log.info("channel_closed", peer=self.peer, reason=reason)
+    def _on_shut(self) -> None:
+        self._link._forget(self)
 
 
 class _Endpoint:
@@ -185,6 +160,7 @@ class _Endpoint:
         self.live = PeerLiveness(node_id, incarnation=incarnation, interval_s=cfg.heartbeat_s, jitter=0.1,
                                  suspect_after_s=cfg.suspect_after_s, lost_after_s=cfg.lost_after_s)  # fmt: skip
         self.channels: dict[str, ZmqChannel] = {}
+        self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
@@ -199,6 +175,11 @@ class _Endpoint:
             del self.channels[ch.peer]
             self.live.remove_peer(ch.peer)
 
+    async def accept(self) -> ZmqChannel:
+        """The next new channel: on a server, a child that said hello (or came back after a
+        restart or loss); on a client, a fresh channel after the server restarted."""
+        return await self._accepted.get()
+
     def _spawn(self, tg: asyncio.TaskGroup) -> None:
         self._tasks = [tg.create_task(self._recv_loop()), tg.create_task(self._heartbeat_loop())]
 
@@ -208,7 +189,7 @@ class _Endpoint:
         for peer, hb in self.live.messages_to_send():
             ch = self.channels.get(peer)
             if ch is not None:
-                await ch._control({"k": "hb", "i": hb.incarnation, "s": hb.seq})
+                ch._control({"k": "hb", "i": hb.incarnation, "s": hb.seq, "r": ch._read})
         self._on_events()
 
     def _on_events(self) -> None:
@@ -250,11 +231,15 @@ class _Endpoint:
                 self.live.add_peer(peer, now)
             self.live.on_heartbeat(Heartbeat(peer, int(header.get("i", 0)), int(header.get("s", 0))), now)
             self._on_events()
+            ch = self.channels.get(peer)
+            if ch is not None:
+                ch._peer_heard()
+                ch._peer_read(int(header.get("r", 0)))
             return
         if ch is None:
             return  # a stray frame for a channel already closed
         self.live.heard(peer, now)
-        ch._deliver(header, [f.buffer for f in frames[1:]])
+        ch._on_frame(header, [f.buffer for f in frames[1:]])
 
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
         raise NotImplementedError
@@ -287,11 +272,10 @@ class ZmqServer(_Endpoint):
 
     def __init__(self, node_id: str, bind: str = "tcp://127.0.0.1:0", *, cfg: LinkConfig | None = None,
                  curve: CurveKeys | None = None, allowed_clients: set[bytes] | None = None) -> None:  # fmt: skip
-        super().__init__(node_id, cfg or LinkConfig(), 0)
+        super().__init__(node_id, cfg or LinkConfig(), _incarnation())
         self.bind_addr = bind
         self.curve = curve
         self.allowed_clients = allowed_clients
-        self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
         self.address = ""
         self._auth: AsyncioAuthenticator | None = None
         self.refused: list[bytes] = []
@@ -323,9 +307,6 @@ class ZmqServer(_Endpoint):
         log.info("zmq_listening", node=self.node_id, address=self.address, curve=self.curve is not None)
         return self.address
 
-    async def accept(self) -> ZmqChannel:
-        return await self._accepted.get()
-
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
         ch = ZmqChannel(self, peer, route)
         self.channels[peer] = ch
@@ -351,10 +332,10 @@ class ZmqClient(_Endpoint):
     """The dialling side (a child): one channel to its parent."""
 
     def __init__(self, node_id: str, connect: str, server_id: str, *, cfg: LinkConfig | None = None,
-                 curve: CurveKeys | None = None, server_key: bytes | None = None, incarnation: int = 0) -> None:  # fmt: skip
+                 curve: CurveKeys | None = None, server_key: bytes | None = None, incarnation: int | None = None) -> None:  # fmt: skip
         if (curve is None) != (server_key is None):
             raise ValueError("CurveZMQ needs both the client's keys and the server's public key")
-        super().__init__(node_id, cfg or LinkConfig(), incarnation)
+        super().__init__(node_id, cfg or LinkConfig(), _incarnation() if incarnation is None else incarnation)
         self.connect_addr = connect
         self.server_id = server_id
         self.curve = curve
@@ -373,6 +354,7 @@ class ZmqClient(_Endpoint):
             self.sock.curve_serverkey = self.server_key
         self.sock.connect(self.connect_addr)
         ch = self._open(self.server_id, None)
+        self._accepted.get_nowait()  # the first channel is returned here, not through accept()
         self.live.add_peer(self.server_id, asyncio.get_running_loop().time())
         await self._beat()  # the hello: the server opens our channel on the first heartbeat
         self._spawn(tg)
@@ -380,7 +362,9 @@ class ZmqClient(_Endpoint):
 
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
         ch = ZmqChannel(self, peer, None)
+        ch._await_peer()  # send nothing until this server incarnation has been heard
         self.channels[peer] = ch
+        self._accepted.put_nowait(ch)
         return ch
 
     async def _recv_loop(self) -> None:

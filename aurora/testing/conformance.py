@@ -25,6 +25,9 @@ class LinkPair:
     window: int
     max_frame_bytes: int
     lost_after_s: float
+    restart_b: Callable[[], Awaitable[tuple[Channel, Channel]]]
+    """b's process dies without a close and starts again under the same node id, dialling
+    the same address; returns the new channel pair (a's end, b's end)."""
 
 
 LinkFactory = Callable[[], AbstractAsyncContextManager[LinkPair]]
@@ -122,12 +125,33 @@ async def check_backpressure(link: LinkFactory) -> None:
             await asyncio.gather(task, return_exceptions=True)
 
 
+async def check_reconnect(link: LinkFactory) -> None:
+    async with link() as p:
+        await p.a.send({"before": True})
+        assert (await p.b.recv()).header == {"before": True}
+        a2, b2 = await asyncio.wait_for(p.restart_b(), p.lost_after_s * 3 + 10)
+        try:
+            await asyncio.wait_for(p.a.recv(), p.lost_after_s * 3 + 2)
+        except TransportClosed:
+            assert p.a.close_reason, "the old channel closed without a reason"
+        else:
+            raise AssertionError("the channel to b's old incarnation still delivered a message")
+        for x, y in ((a2, b2), (b2, a2)):
+            for i in range(3):
+                await x.send({"i": i}, b"z" * (i + 1))
+            for i in range(3):
+                m = await asyncio.wait_for(y.recv(), 10)
+                assert m.header == {"i": i}
+                assert bytes(m.buffers[0]) == b"z" * (i + 1)
+
+
 CHECKS: dict[str, Callable[[LinkFactory], Awaitable[None]]] = {
     "ordering": check_ordering,
     "large_messages": check_large_messages,
     "close_both_directions": check_close_both_directions,
     "peer_death": check_peer_death,
     "backpressure": check_backpressure,
+    "reconnect": check_reconnect,
 }
 
 __all__ = ["CHECKS", "AsyncIterator", "LinkFactory", "LinkPair"]

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Mapping
 from typing import Any
 
 from aurora.errors import TransportClosed
 from aurora.runtime.actor import Credits
 from aurora.testing.simnet import Faults
+from aurora.transport.base import Message
+from aurora.transport.channel import ChannelBase
 
 
 class MemoryTransport:
@@ -93,71 +96,34 @@ class MemoryNetwork:
         dst._put(src, msg)
 
 
-class MemoryChannel:
-    """An in-process `Channel` (aurora.transport.base) with the same flow control rules."""
+class MemoryChannel(ChannelBase):
+    """An in-process `Channel` (aurora.transport.base) with the same flow-control rules.
+
+    Buffers are copied on send, as a real link would, so a sender may reuse its buffers.
+    """
 
     def __init__(self, peer: str, window: int, max_frame_bytes: int) -> None:
-        self.peer = peer
-        self.window = window
-        self.max_frame_bytes = max_frame_bytes
+        super().__init__(peer, window, max_frame_bytes)
         self.other: MemoryChannel | None = None
-        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self._credit = Credits(window)
-        self._reason: str | None = None
 
-    @property
-    def closed(self) -> bool:
-        return self._reason is not None
-
-    @property
-    def close_reason(self) -> str | None:
-        return self._reason
-
-    async def send(self, header: Any, *buffers: bytes | memoryview) -> None:
-        from aurora.transport.base import Message, check_frame
-
-        if self._reason is not None:
-            raise TransportClosed(f"channel to {self.peer!r} is closed ({self._reason})")
-        check_frame(buffers, self.max_frame_bytes, self.peer)
-        await self._credit.take()
+    async def _transmit(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> None:
         other = self.other
-        if self._reason is not None or other is None:
-            raise TransportClosed(f"channel to {self.peer!r} is closed ({self._reason})")
-        other._inbox.put_nowait(Message(dict(header), tuple(memoryview(bytes(b)) for b in buffers)))
+        if other is None:
+            raise TransportClosed(f"channel to {self.peer!r} has no peer")
+        other._deliver(Message(dict(header), tuple(memoryview(bytes(b)) for b in buffers)))
 
-    async def recv(self) -> Any:
-        msg = await self._inbox.get()
-        if isinstance(msg, _CloseAfter):
-            self._shut(msg.reason)
-            msg = None
-        if msg is None:
-            self._inbox.put_nowait(None)
-            raise TransportClosed(f"channel from {self.peer!r} is closed ({self._reason})")
+    def _report_read(self, total: int) -> None:
         if self.other is not None:
-            self.other._credit.give()
-        return msg
+            self.other._peer_read(total)
 
-    async def close(self, reason: str = "closed") -> None:
-        if self.other is not None and self.other._reason is None:
-            self.other._inbox.put_nowait(_CloseAfter(reason))
-        self._shut(reason)
-
-    def _shut(self, reason: str) -> None:
-        if self._reason is None:
-            self._reason = reason
-            self._credit.close()
-            self._inbox.put_nowait(None)
-
-
-class _CloseAfter:
-    """Queued behind the messages sent before a close, so they are still delivered."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
+    async def _send_close(self, reason: str) -> None:
+        if self.other is not None:
+            self.other._shut(reason)
 
 
 def memory_channel_pair(a: str = "a", b: str = "b", *, window: int = 64,
                         max_frame_bytes: int = 64 * 1024 * 1024) -> tuple[MemoryChannel, MemoryChannel]:  # fmt: skip
+    """Two connected channels: the first is ``a``'s end (its peer is ``b``), the second ``b``'s."""
     ca, cb = MemoryChannel(b, window, max_frame_bytes), MemoryChannel(a, window, max_frame_bytes)
     ca.other, cb.other = cb, ca
     return ca, cb
