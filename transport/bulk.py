@@ -1,0 +1,219 @@
+"""Bulk transfer: one payload striped over several channels, checked per frame, resumable.
+
+`send_bulk` and `receive_bulk` take *exclusive* use of the channels they are
+given for the duration of one transfer (they read them). The first channel
+carries the control messages; every channel carries frames.
+
+A transfer runs in rounds (state in `aurora.protocol.bulk`):
+
+1. the sender sends ``bulk_offer`` (id, size, frame size, whole digest, round
+   number, number of streams) on the control channel; the receiver answers at
+   once with ``bulk_want`` (the missing frame ranges) or ``bulk_done``. An
+   offer for an id the receiver already partly holds is the *resume*: only the
+   missing frames are asked for;
+2. the sender's stream tasks take missing frames from one shared queue — a
+   slow stream takes fewer, a stalled one holds only the frame it is on — and
+   each stream ends the round with ``bulk_end``;
+3. once the receiver has every stream's ``bulk_end`` for the round it answers
+   ``bulk_done`` or ``bulk_incomplete``; the sender starts another round until done.
+
+A stream whose send fails or stalls past ``stall_s`` is dropped and the round
+restarts on the others; with no stream left `send_bulk` raises
+`TransportClosed`, and a later call with the same id (on new channels, to a
+receiver keeping its `BulkReceiver`) resumes from what arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from aurora.transport.base import Channel, Message
+
+from aurora.errors import ProtocolError, TransportClosed
+from aurora.protocol.bulk import (
+    DEFAULT_FRAME_BYTES,
+    BulkAssembly,
+    BulkOffer,
+    frame_digest,
+    from_ranges,
+    payload_digest,
+)
+
+log = structlog.get_logger("aurora.transport.bulk")
+
+
+async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *, transfer_id: str | None = None,
+                    frame_bytes: int = DEFAULT_FRAME_BYTES, answer_timeout_s: float = 60.0,
+                    stall_s: float = 60.0) -> str:  # fmt: skip
+    """Deliver ``payload`` (see the module docstring); returns the transfer id. Not
+    cancellation-safe for the channels: a cancelled transfer may leave them mid-message."""
+    view = memoryview(payload).cast("B")
+    offer = BulkOffer(transfer_id or secrets.token_hex(8), view.nbytes, frame_bytes, payload_digest(view))
+    live = [c for c in channels if not c.closed]
+    rnd = 0
+    while True:
+        rnd += 1
+        if not live:
+            raise TransportClosed(f"bulk {offer.id!r}: every stream closed ({offer.size} bytes not confirmed)")
+        ctl = live[0]
+        try:
+            await ctl.send({"k": "bulk_offer", **offer.to_wire(), "round": rnd, "streams": len(live)})
+            reply = await _reply(ctl, offer.id, answer_timeout_s)
+        except (TransportClosed, TimeoutError):
+            live.remove(ctl)
+            continue
+        if reply["k"] == "bulk_done":
+            return offer.id
+        want = from_ranges(list(reply.get("missing", [])), offer.frames)
+        survivors = await _stripe(live, view, offer, want, rnd, stall_s)
+        if len(survivors) < len(live):  # the receiver waits for every stream's end: start over
+            live = survivors
+            continue
+        try:
+            reply = await _reply(ctl, offer.id, answer_timeout_s)
+        except (TransportClosed, TimeoutError):
+            live.remove(ctl)
+            continue
+        if reply["k"] == "bulk_done":
+            return offer.id
+
+
+async def _reply(ctl: Channel, tid: str, timeout_s: float) -> Mapping[str, Any]:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            m = await ctl.recv()
+            h = m.header
+            if h.get("id") == tid and h.get("k") in ("bulk_want", "bulk_done", "bulk_incomplete"):
+                return h
+
+
+async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, want: list[int], rnd: int,
+                  stall_s: float) -> list[Channel]:  # fmt: skip
+    """Send the wanted frames over every live stream; returns the streams still usable."""
+    queue = list(reversed(want))
+    dead: list[Channel] = []
+
+    async def stream(ch: Channel) -> None:
+        try:
+            while queue:
+                i = queue.pop()
+                start, end = offer.span(i)
+                frame = view[start:end]
+                try:
+                    async with asyncio.timeout(stall_s):
+                        await ch.send({"k": "bulk_frame", "id": offer.id, "i": i, "d": frame_digest(frame)}, frame)
+                except (TransportClosed, TimeoutError):
+                    queue.append(i)  # another stream takes it
+                    raise
+            await ch.send({"k": "bulk_end", "id": offer.id, "round": rnd})
+        except (TransportClosed, TimeoutError) as e:
+            dead.append(ch)
+            log.warning("bulk_stream_dropped", transfer=offer.id, peer=ch.peer, error=str(e) or "stalled")
+
+    async with asyncio.TaskGroup() as tg:
+        for ch in live:
+            tg.create_task(stream(ch))
+    return [c for c in live if c not in dead]  # frames left in the queue go in the next round
+
+
+class BulkReceiver:
+    """A receiver's transfers by id; keep it across connections so transfers can resume.
+
+    Holds at most ``max_transfers`` incomplete transfers (the oldest is dropped first)."""
+
+    def __init__(self, max_transfers: int = 4) -> None:
+        self.max_transfers = max_transfers
+        self.partial: dict[str, BulkAssembly] = {}
+        self._round: dict[str, tuple[int, int, int]] = {}  # id -> (round, streams, ends seen)
+        self._ctl: dict[str, Channel] = {}  # id -> the channel its latest offer came on
+
+    async def handle(self, ch: Channel, msg: Message) -> memoryview | None:
+        """Feed one message that arrived on ``ch``. Returns the payload when a transfer completes. Raises `ProtocolError` for a malformed
+        offer; a bad frame is logged and left missing (it will be asked for again)."""
+        h = msg.header
+        k = h.get("k")
+        if k == "bulk_offer":
+            return await self._offer(ch, h)
+        tid = str(h.get("id"))
+        asm = self.partial.get(tid)
+        if asm is None:
+            return None
+        if k == "bulk_frame":
+            try:
+                asm.add(int(h.get("i", -1)), msg.buffers[0] if msg.buffers else b"", int(h.get("d", 0)))
+            except ProtocolError as e:
+                log.warning("bulk_frame_rejected", transfer=tid, peer=ch.peer, error=str(e))
+        elif k == "bulk_end":
+            rnd, streams, ends = self._round.get(tid, (0, 0, 0))
+            if int(h.get("round", -1)) == rnd:
+                ends += 1
+                self._round[tid] = (rnd, streams, ends)
+                if ends >= streams:
+                    ctl = self._ctl[tid]
+                    if asm.complete:
+                        return await self._finish(ctl, asm)
+                    await ctl.send({"k": "bulk_incomplete", "id": tid})
+        return None
+
+    async def _offer(self, ch: Channel, h: Mapping[str, Any]) -> memoryview | None:
+        offer = BulkOffer.from_wire(dict(h))
+        asm = self.partial.get(offer.id)
+        if asm is None or asm.offer != offer:
+            while len(self.partial) >= self.max_transfers:
+                oldest = next(iter(self.partial))
+                del self.partial[oldest]
+                self._round.pop(oldest, None)
+                self._ctl.pop(oldest, None)
+            asm = self.partial[offer.id] = BulkAssembly(offer)
+        elif asm.held_frames:
+            log.info("bulk_resumed", transfer=offer.id, held_frames=asm.held_frames, frames=offer.frames)
+        self._round[offer.id] = (int(h.get("round", 0)), int(h.get("streams", 1)), 0)
+        self._ctl[offer.id] = ch
+        if asm.complete:
+            return await self._finish(ch, asm)
+        await ch.send({"k": "bulk_want", "id": offer.id, "missing": asm.missing()})
+        return None
+
+    async def _finish(self, ctl: Channel, asm: BulkAssembly) -> memoryview:
+        data = asm.payload()
+        del self.partial[asm.offer.id]
+        self._round.pop(asm.offer.id, None)
+        self._ctl.pop(asm.offer.id, None)
+        await ctl.send({"k": "bulk_done", "id": asm.offer.id})
+        return data
+
+
+async def receive_bulk(channels: Sequence[Channel], receiver: BulkReceiver | None = None) -> memoryview:
+    """Read ``channels`` until one transfer completes; returns its payload. Raises `TransportClosed` if every channel closes first."""
+    receiver = receiver or BulkReceiver()
+    inbox: asyncio.Queue[tuple[Channel, Message | None]] = asyncio.Queue()
+
+    async def read(ch: Channel) -> None:
+        try:
+            while True:
+                inbox.put_nowait((ch, await ch.recv()))
+        except TransportClosed:
+            inbox.put_nowait((ch, None))
+
+    open_ = len(channels)
+    async with asyncio.TaskGroup() as tg:
+        readers = [tg.create_task(read(ch)) for ch in channels]
+        try:
+            while open_:
+                ch, msg = await inbox.get()
+                if msg is None:
+                    open_ -= 1
+                    continue
+                with contextlib.suppress(TransportClosed):
+                    done = await receiver.handle(ch, msg)
+                    if done is not None:
+                        return done
+        finally:
+            for r in readers:
+                r.cancel()
+    raise TransportClosed("every bulk stream closed before the transfer completed")
