@@ -53,7 +53,7 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors}")
+    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport}")
     c = bs.add_parser("codec", help="delta sizes vs published designs, and codec throughput",
                       description="Train a small transformer a few AdamW steps (lr 1e-6 and 1e-5), plus synthetic "
                       "densities, and compare delta sizes and throughput.")  # fmt: skip
@@ -64,6 +64,18 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                       "ActorRef.ask, next to a bare asyncio.Queue measured in the same run.")  # fmt: skip
     a.add_argument("-n", "--messages", type=int, default=200_000, help="messages per measurement (default 200000)")
     a.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    t = bs.add_parser("transport", help="bulk throughput: raw TCP, ZeroMQ, WebRTC, on loopback and an emulated WAN",
+                      description="Bulk transfers between two processes: on loopback (raw TCP, ZeroMQ 1 and N "
+                      "streams) and, with root, between two network namespaces over an emulated 100 Mbit/s 50 ms "
+                      "link at each loss rate (raw TCP, ZeroMQ, WebRTC 1 channel, WebRTC striped). Prints a table "
+                      "with ratios to raw TCP and to the link rate.")  # fmt: skip
+    t.add_argument("--loop-mib", type=int, default=256, help="payload on loopback in MiB (default 256)")
+    t.add_argument("--wan-mib", type=int, default=16, help="payload on the emulated link in MiB (default 16)")
+    t.add_argument("--streams", type=int, default=4, help="ZeroMQ streams for the striped rows (default 4)")
+    t.add_argument("--rtc-streams", type=int, default=8, help="WebRTC peer connections when striped (default 8)")
+    t.add_argument("--losses", default="0,0.001,0.01", help="loss rates on the emulated link (default 0,0.001,0.01)")
+    t.add_argument("--no-wan", action="store_true", help="loopback only (no namespaces needed)")
+    t.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -212,6 +224,23 @@ def cmd_bench_actors(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transport(args: argparse.Namespace) -> int:
+    from aurora.bench.transport import run
+
+    try:
+        losses = [float(x) for x in args.losses.split(",") if x.strip()]
+    except ValueError:
+        raise AuroraError(f"--losses must be comma-separated numbers, got {args.losses!r}") from None
+    if any(not 0 <= x < 1 for x in losses):
+        raise AuroraError(f"--losses must each be in [0, 1), got {args.losses!r}")
+    for name in ("loop_mib", "wan_mib", "streams", "rtc_streams"):
+        if getattr(args, name) < 1:
+            raise AuroraError(f"--{name.replace('_', '-')} must be at least 1")
+    run(loop_mib=args.loop_mib, wan_mib=args.wan_mib, streams=args.streams, rtc_streams=args.rtc_streams,
+        losses=losses, wan=not args.no_wan, json_path=args.json, progress=lambda m: print(m, flush=True))  # fmt: skip
+    return 0
+
+
 def cmd_keys_generate(args: argparse.Namespace) -> int:
     import os
 
@@ -240,6 +269,7 @@ COMMANDS = {
     ("delta", "inspect"): cmd_delta_inspect,
     ("bench", "codec"): cmd_bench_codec,
     ("bench", "actors"): cmd_bench_actors,
+    ("bench", "transport"): cmd_bench_transport,
     ("keys", "generate"): cmd_keys_generate,
 }
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from aurora.errors import AuroraError
+from aurora.errors import AuroraError, ConfigError
 
 DEFAULT_WINDOW = 64
 """Unread messages a receiver lets a sender have in flight."""
@@ -63,6 +63,15 @@ class Channel(Protocol):
         ...
 
     async def close(self, reason: str = "closed") -> None: ...
+
+
+def check_timings(heartbeat_s: float, suspect_after_s: float, lost_after_s: float) -> None:
+    """Cross-field check for link configs: heartbeats must come well inside the suspicion bound."""
+    if not 0 < heartbeat_s * 1.1 < suspect_after_s < lost_after_s:
+        raise ConfigError(
+            f"need heartbeat_s*1.1 < suspect_after_s < lost_after_s, got heartbeat_s={heartbeat_s}, "
+            f"suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}"
+        )
 
 
 def check_frame(buffers: Sequence[bytes | memoryview], max_frame_bytes: int, peer: str) -> None:

@@ -54,7 +54,7 @@ from aiortc import (
 )
 from aiortc import rtcsctptransport as _sctp
 from aiortc.sdp import SessionDescription
-from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Channel, Message
+from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Channel, Message, check_timings
 from aurora.transport.channel import ChannelBase
 
 from aurora.errors import ProtocolError, TransportClosed
@@ -62,7 +62,8 @@ from aurora.protocol import Heartbeat, PeerLiveness, PeerLost
 
 log = structlog.get_logger("aurora.transport.webrtc")
 
-PIECE_BYTES = 262144 - 1  # aiortc's LOCAL_MAX_MESSAGE_SIZE (256 KiB), less the flags byte
+PIECE_BYTES = 65535  # 64 KiB, the size every WebRTC stack accepts, less the flags byte; larger pieces
+# only make aiortc's reassembly (which rescans a message's chunks on each arrival) slower
 MORE = 0x01
 CONTROL = 0x02
 SIGNAL_KINDS = frozenset({"rtc_offer", "rtc_answer", "rtc_refused"})
@@ -94,6 +95,9 @@ class RtcConfig:
     sctp_rto_min_s: float | None = 0.2
     """Minimum SCTP retransmission timeout. aiortc uses RFC 4960's 1 s, which turns every
     timeout on a 50 ms path into a long stall; Linux TCP uses 200 ms. None leaves aiortc's."""
+
+    def __post_init__(self) -> None:
+        check_timings(self.heartbeat_s, self.suspect_after_s, self.lost_after_s)
 
 
 def tune_sctp(cfg: RtcConfig) -> None:

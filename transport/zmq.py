@@ -34,7 +34,7 @@ import msgpack
 import structlog
 import zmq
 import zmq.asyncio
-from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message
+from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings
 from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -67,6 +67,9 @@ class LinkConfig:
     lost_after_s: float = 3.0
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        check_timings(self.heartbeat_s, self.suspect_after_s, self.lost_after_s)
 
 
 def _incarnation() -> int:

@@ -28,8 +28,8 @@ import xxhash
 
 from aurora.errors import ProtocolError
 
-DEFAULT_FRAME_BYTES = 1 << 20
-"""1 MiB: big enough that per-frame overhead vanishes, small enough that a lost stream costs little."""
+DEFAULT_FRAME_BYTES = 4 << 20
+"""4 MiB: measured faster than 1 MiB on loopback ZeroMQ (aurora bench transport); a lost stream costs one frame."""
 
 
 def frame_digest(data: bytes | memoryview) -> int:
