@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aurora.transport.zmq import LinkConfig, ZmqChannel, ZmqClient, ZmqServer
+from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqChannel, ZmqClient, ZmqServer, ZmqTransport
 
-from aurora.errors import TransportClosed
+from aurora.errors import ConfigError, TransportClosed
 
 CFG = LinkConfig(window=8, heartbeat_s=0.1, suspect_after_s=0.4, lost_after_s=0.8)
 
@@ -75,3 +75,30 @@ async def test_lost_credit_reports_are_healed_by_heartbeats(monkeypatch: pytest.
             assert (await asyncio.wait_for(down.recv(), 5)).header == {"i": i}
         await client.close()
         await server.close()
+
+
+async def test_transport_connects_by_node_id_and_address_both_ways() -> None:
+    async with asyncio.TaskGroup() as tg:
+        parent = ZmqTransport("relay-a", cfg=CFG, bind="tcp://127.0.0.1:0")
+        addr = await parent.listen_in(tg)
+        child = ZmqTransport("rollout-1", cfg=CFG)
+        child.start_in(tg)
+        up = await child.connect("relay-a", addr)
+        down = await asyncio.wait_for(parent.accept(), 5)
+        assert (up.peer, down.peer) == ("relay-a", "rollout-1")
+        await up.send({"lease": 1})
+        assert (await asyncio.wait_for(down.recv(), 5)).header == {"lease": 1}
+        await down.send({"delta": 2}, b"chunk")
+        m = await asyncio.wait_for(up.recv(), 5)
+        assert (m.header, bytes(m.buffers[0])) == ({"delta": 2}, b"chunk")
+        await child.close()
+        await parent.close()
+
+
+async def test_curve_without_the_peers_key_is_a_config_error() -> None:
+    async with asyncio.TaskGroup() as tg:
+        t = ZmqTransport("rollout-1", cfg=CFG, curve=CurveKeys.generate())
+        t.start_in(tg)
+        with pytest.raises(ConfigError, match="relay-a"):
+            await t.connect("relay-a", "tcp://127.0.0.1:1")
+        await t.close()

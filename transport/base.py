@@ -19,6 +19,7 @@ Rules every implementation keeps (checked by `aurora.testing.conformance`):
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -63,6 +64,28 @@ class Channel(Protocol):
         ...
 
     async def close(self, reason: str = "closed") -> None: ...
+
+
+class Transport(Protocol):
+    """A node's side of one kind of link: dial peers by node id and address, accept the
+    peers that dial in. Channels come out of `connect` and `accept`."""
+
+    node_id: str
+
+    def start_in(self, tg: asyncio.TaskGroup) -> None:
+        """Start the transport's tasks in ``tg`` (their owner)."""
+        ...
+
+    async def connect(self, peer: str, address: str) -> Channel:
+        """A channel to ``peer`` at ``address`` (a ``tcp://`` endpoint for ZeroMQ; the node id of
+        a rendezvous for WebRTC). Raises `TransportClosed` if it cannot be reached."""
+        ...
+
+    async def accept(self) -> Channel:
+        """The next channel a peer opened to this node (or reopened after a restart)."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 def check_timings(heartbeat_s: float, suspect_after_s: float, lost_after_s: float) -> None:

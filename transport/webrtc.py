@@ -92,9 +92,11 @@ class RtcConfig:
     connect_timeout_s: float = 30.0
     close_grace_s: float = 2.0
     """How long `close` waits for queued bytes (and the close message) to leave."""
-    sctp_rto_min_s: float | None = 0.2
-    """Minimum SCTP retransmission timeout. aiortc uses RFC 4960's 1 s, which turns every
-    timeout on a 50 ms path into a long stall; Linux TCP uses 200 ms. None leaves aiortc's."""
+    sctp_rto_min_s: float | None = None
+    """Minimum SCTP retransmission timeout; None keeps aiortc's 1 s (RFC 4960). Lowering it to
+    TCP's 0.2 s was measured *slower* on the emulated 50 ms / 0.1 % loss link (aiortc drops
+    its window to one packet on every timeout, so spurious timeouts cost more than they save);
+    `aurora bench transport` prints both."""
 
     def __post_init__(self) -> None:
         check_timings(self.heartbeat_s, self.suspect_after_s, self.lost_after_s)
@@ -308,6 +310,7 @@ class WebRtcTransport:
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self.refused: list[str] = []
+        self.rendezvous: dict[str, Channel] = {}
 
     def start_in(self, tg: asyncio.TaskGroup) -> None:
         tune_sctp(self.cfg)
@@ -317,7 +320,19 @@ class WebRtcTransport:
         servers = [RTCIceServer(list(s.urls), s.username, s.credential) for s in self.cfg.ice_servers]
         return RTCConfiguration(iceServers=servers)  # always explicit: [] means host candidates only
 
-    async def connect(self, peer: str, via: Channel) -> WebRtcChannel:
+    def use_rendezvous(self, name: str, channel: Channel) -> None:
+        """Make ``channel`` (to the rendezvous node ``name``) usable as an address in `connect`."""
+        self.rendezvous[name] = channel
+
+    async def connect(self, peer: str, address: str) -> WebRtcChannel:
+        """`Transport.connect`: ``address`` is the node id of a rendezvous registered with
+        `use_rendezvous`."""
+        via = self.rendezvous.get(address)
+        if via is None or via.closed:
+            raise TransportClosed(f"no open signalling channel to rendezvous {address!r} for reaching {peer!r}")
+        return await self.connect_via(peer, via)
+
+    async def connect_via(self, peer: str, via: Channel) -> WebRtcChannel:
         """Open a channel to ``peer`` with signalling over ``via``. The caller's receive loop
         must pass ``rtc_*`` messages arriving on ``via`` to `on_signal`. Raises
         `TransportClosed` if the peer refuses or does not answer in time."""
@@ -358,6 +373,9 @@ class WebRtcTransport:
 
     async def accept(self) -> WebRtcChannel:
         return await self._accepted.get()
+
+    async def close(self) -> None:
+        """Channels close themselves (and their peer connections) when their owners close them."""
 
     def on_signal(self, header: Mapping[str, Any], reply_via: Channel) -> None:
         """Feed one ``rtc_*`` message that arrived on a signalling channel."""

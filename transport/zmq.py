@@ -38,7 +38,7 @@ from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Messa
 from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from aurora.errors import ProtocolError, TransportClosed
+from aurora.errors import ConfigError, ProtocolError, TransportClosed
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost, PeerRejoined
 
 log = structlog.get_logger("aurora.transport.zmq")
@@ -377,4 +377,67 @@ class ZmqClient(_Endpoint):
                 self._handle(self.server_id, None, frames)
 
 
-__all__ = ["CurveKeys", "LinkConfig", "ProtocolError", "ZmqChannel", "ZmqClient", "ZmqServer"]
+class ZmqTransport:
+    """A node's ZeroMQ side (`aurora.transport.base.Transport`): an optional listening server
+    for its children, and one dialling client per parent it connects to."""
+
+    def __init__(self, node_id: str, *, cfg: LinkConfig | None = None, bind: str | None = None,
+                 curve: CurveKeys | None = None, allowed_clients: set[bytes] | None = None,
+                 server_keys: Mapping[str, bytes] | None = None) -> None:  # fmt: skip
+        self.node_id = node_id
+        self.cfg = cfg or LinkConfig()
+        self.server = (
+            ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, allowed_clients=allowed_clients) if bind else None
+        )
+        self.curve = curve
+        self.server_keys = dict(server_keys or {})
+        self.clients: dict[str, ZmqClient] = {}
+        self.address = ""
+        self._tg: asyncio.TaskGroup | None = None
+        self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
+        self._forwards: list[asyncio.Task[None]] = []
+
+    async def listen_in(self, tg: asyncio.TaskGroup) -> str:
+        """`start_in`, and bind the server; returns its address ("" without one)."""
+        self.start_in(tg)
+        if self.server is not None:
+            self.address = await self.server.start_in(tg)
+            self._forwards.append(tg.create_task(self._forward(self.server)))
+        return self.address
+
+    def start_in(self, tg: asyncio.TaskGroup) -> None:
+        self._tg = tg
+
+    async def _forward(self, ep: _Endpoint) -> None:
+        while True:
+            self._accepted.put_nowait(await ep.accept())
+
+    async def connect(self, peer: str, address: str) -> ZmqChannel:
+        """Dial ``peer`` at ``address``; the channel is usable at once (sends wait until the
+        peer is heard). A second call for the same peer replaces the first link."""
+        assert self._tg is not None, "start_in() first"
+        old = self.clients.pop(peer, None)
+        if old is not None:
+            await old.close()
+        key = self.server_keys.get(peer)
+        if (key is None) != (self.curve is None):
+            raise ConfigError(f"CurveZMQ to {peer!r} needs this node's keys and the peer's public key")
+        client = ZmqClient(self.node_id, address, peer, cfg=self.cfg, curve=self.curve, server_key=key)
+        self.clients[peer] = client
+        ch = await client.start_in(self._tg)
+        self._forwards.append(self._tg.create_task(self._forward(client)))  # fresh channels after a restart
+        return ch
+
+    async def accept(self) -> ZmqChannel:
+        return await self._accepted.get()
+
+    async def close(self) -> None:
+        for t in self._forwards:
+            t.cancel()
+        for c in self.clients.values():
+            await c.close()
+        if self.server is not None:
+            await self.server.close()
+
+
+__all__ = ["CurveKeys", "LinkConfig", "ProtocolError", "ZmqChannel", "ZmqClient", "ZmqServer", "ZmqTransport"]

@@ -129,7 +129,7 @@ async def zmq_source(addr: str, payload: bytes, streams: int, webrtc: bool, rtc_
             rtc = WebRtcTransport("source", RtcConfig(**rtc_kw))
             rtc.start_in(tg)
             pump = tg.create_task(_pump(sig, rtc))
-            chans: list[Channel] = [await rtc.connect("sink", sig) for _ in range(streams)]
+            chans: list[Channel] = [await rtc.connect_via("sink", sig) for _ in range(streams)]
         else:
             clients = [ZmqClient(f"source.{i:03d}", addr, "sink", cfg=ZMQ_CFG) for i in range(streams)]
             chans = [await c.start_in(tg) for c in clients]
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bytes", type=int, default=64 << 20, help="source: payload size")
     ap.add_argument("--streams", type=int, default=1, help="connections (zmq) or peer connections (webrtc)")
     ap.add_argument("--lost-after-s", type=float, default=15.0, help="a silent peer is lost after this long")
-    ap.add_argument("--sctp-rto-min-s", type=float, default=0.2,
-                    help="webrtc: minimum SCTP retransmission timeout (aiortc's own is 1.0)")  # fmt: skip
+    ap.add_argument("--sctp-rto-min-s", type=float, default=None,
+                    help="webrtc: minimum SCTP retransmission timeout (default: aiortc's own, 1 s)")  # fmt: skip
     a = ap.parse_args(argv)
     configure(level="warning")  # stdout carries the JSON lines; logs go to stderr
     rtc_kw = {

@@ -53,7 +53,7 @@ class RtcPairs:
         self.signalling += [sa, sb]
         self.tg.create_task(pump_signals(sa, a))
         self.tg.create_task(pump_signals(sb, b))
-        ca = await a.connect(b.node_id, sa)
+        ca = await a.connect_via(b.node_id, sa)
         cb = await asyncio.wait_for(b.accept(), 10)
         return ca, cb
 
