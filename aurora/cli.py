@@ -88,6 +88,17 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write into (default .)")
 
 
+def _add_topology(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("topology", help="check topology files", description="Topology files (topologies/*.yaml).")
+    ts = p.add_subparsers(dest="topology_cmd", required=True, metavar="{check}")
+    c = ts.add_parser("check", help="validate a topology file and print the planned relay tree",
+                      description="Load a topology strictly (unknown keys, wrong types, missing nodes, cycles, "
+                      "unreachable relays and duplicate addresses are errors naming the path), plan the "
+                      "parent: auto nodes, and print the tree with each node's estimated time to receive "
+                      "a delta of plan.payload_mib.")  # fmt: skip
+    c.add_argument("topology", type=Path, help="the YAML file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from aurora import __version__
 
@@ -99,10 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{delta,bench,keys}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{delta,bench,keys,topology}")
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
+    _add_topology(sub)
     return p
 
 
@@ -241,6 +253,21 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology_check(args: argparse.Namespace) -> int:
+    from aurora.config.plan import plan
+    from aurora.config.topology import load_topology
+
+    topo = load_topology(args.topology)
+    tree = plan(topo, str(args.topology))
+    roles = [n.role for n in topo.nodes]
+    print(f"{args.topology}: ok — {topo.name!r}: {len(topo.regions)} regions, {roles.count('relay')} relays, "
+          f"{roles.count('rollout')} rollout nodes")  # fmt: skip
+    print(tree.render(topo))
+    print(f"estimated time to all: {tree.time_to_all_s:.2f} s for a {topo.plan.payload_mib:g} MiB delta "
+          f"(tree depth {tree.depth()})")  # fmt: skip
+    return 0
+
+
 def cmd_keys_generate(args: argparse.Namespace) -> int:
     import os
 
@@ -271,6 +298,7 @@ COMMANDS = {
     ("bench", "actors"): cmd_bench_actors,
     ("bench", "transport"): cmd_bench_transport,
     ("keys", "generate"): cmd_keys_generate,
+    ("topology", "check"): cmd_topology_check,
 }
 
 

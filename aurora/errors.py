@@ -17,6 +17,7 @@ class ConfigError(AuroraError):
     def __init__(self, message: str, *, file: str | None = None, path: str | None = None) -> None:
         self.file = file
         self.path = path
+        self.message = message
         where = ":".join(p for p in (file, path) if p)
         super().__init__(f"{where}: {message}" if where else message)
 

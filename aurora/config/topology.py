@@ -1,0 +1,270 @@
+"""Topology files: regions, WAN links, nodes and the relay tree, loaded strictly.
+
+`load_topology(path)` parses YAML (``safe_load``), converts it with
+`aurora.config.strict` (unknown keys and wrong types name their path) and then
+checks what spans objects, each error naming the path of the offending field:
+
+* names are unique (regions, nodes); every region a node or link names exists;
+* exactly one trainer; it has no parent; every relay and rollout has a parent
+  (a node name or ``auto``) that is the trainer or a relay, never itself;
+* explicit parents form no cycle and every chain ends at the trainer;
+* fallback parents exist, are trainers or relays, and are not the node itself;
+* a node that is (or may become) a parent has a ``listen`` address, and no two
+  nodes listen on the same address;
+* CurveZMQ keys are given for every node or for none; a WebRTC rendezvous exists.
+
+`aurora.config.plan` then turns ``parent: auto`` into a tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from aurora.config.strict import convert
+from aurora.errors import ConfigError
+
+Role = Literal["trainer", "relay", "rollout"]
+AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Region:
+    name: str
+    bandwidth_mbit: float = 10_000.0
+    """Bandwidth between two nodes inside the region."""
+    rtt_ms: float = 0.5
+    """Round trip between two nodes inside the region."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WanLink:
+    regions: tuple[str, ...]
+    """The two regions this link joins."""
+    bandwidth_mbit: float
+    rtt_ms: float
+
+    def __post_init__(self) -> None:
+        if len(self.regions) != 2 or self.regions[0] == self.regions[1]:
+            raise ConfigError(f"a WAN link joins two different regions, got {list(self.regions)}", path="regions")
+        if self.bandwidth_mbit <= 0:
+            raise ConfigError("must be > 0", path="bandwidth_mbit")
+        if self.rtt_ms < 0:
+            raise ConfigError("must be >= 0", path="rtt_ms")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IceServerSpec:
+    urls: tuple[str, ...]
+    username: str | None = None
+    credential: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZmqSpec:
+    kind: Literal["zmq"] = "zmq"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WebRtcSpec:
+    kind: Literal["webrtc"] = "webrtc"
+    ice_servers: tuple[IceServerSpec, ...] = ()
+    """STUN/TURN servers; none means host candidates only."""
+    rendezvous: str | None = None
+    """The node that relays signalling (default: the parent)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec:
+    name: str
+    role: Role
+    region: str
+    listen: str | None = None
+    """``tcp://host:port`` the node binds for its children (trainer and relays)."""
+    parent: str | None = None
+    """A node name, or ``auto`` to have the planner choose; none for the trainer."""
+    fallback_parents: tuple[str, ...] | None = None
+    """Ordered parents to re-attach to when the parent is lost (planned when omitted)."""
+    transport: ZmqSpec | WebRtcSpec = field(default_factory=ZmqSpec)
+    """How this node reaches its parent."""
+    public_key: str | None = None
+    """CurveZMQ public key (Z85, 40 characters)."""
+    secret_key_file: str | None = None
+    """The node's CurveZMQ secret key file (from ``aurora keys generate``)."""
+    egress_mbit: float | None = None
+    """The node's own sending limit (default: its region's bandwidth)."""
+
+    def __post_init__(self) -> None:
+        if self.role == "trainer" and self.parent is not None:
+            raise ConfigError("the trainer has no parent", path="parent")
+        if self.role != "trainer" and self.parent is None:
+            raise ConfigError(f"a {self.role} needs a parent (a node name, or auto)", path="parent")
+        if (self.public_key is None) != (self.secret_key_file is None):
+            raise ConfigError("public_key and secret_key_file come together", path="secret_key_file")
+        if self.public_key is not None and len(self.public_key) != 40:
+            raise ConfigError("expected a 40-character Z85 CurveZMQ key", path="public_key")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatSpec:
+    interval_s: float = 0.5
+    suspect_after_s: float = 1.5
+    lost_after_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s * 1.1 < self.suspect_after_s < self.lost_after_s:
+            raise ConfigError("need interval_s*1.1 < suspect_after_s < lost_after_s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseSpec:
+    ttl_s: float = 30.0
+    prompts_per_lease: int = 8
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StalenessSpec:
+    max_versions: int = 1
+    """Samples may come from versions v-k .. v (k = max_versions)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSpec:
+    payload_mib: float = 32.0
+    """Delta size the planner optimises the tree for."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    steps: int = 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    name: str
+    regions: tuple[Region, ...]
+    nodes: tuple[NodeSpec, ...]
+    wan: tuple[WanLink, ...] = ()
+    heartbeat: HeartbeatSpec = field(default_factory=HeartbeatSpec)
+    leases: LeaseSpec = field(default_factory=LeaseSpec)
+    staleness: StalenessSpec = field(default_factory=StalenessSpec)
+    plan: PlanSpec = field(default_factory=PlanSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    learner: dict[str, Any] = field(default_factory=dict)
+    """The learner's section (filled by the RL issue)."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """The rollout engine's section (filled by the RL issue)."""
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    @property
+    def trainer(self) -> NodeSpec:
+        return next(n for n in self.nodes if n.role == "trainer")
+
+    def region(self, name: str) -> Region:
+        return next(r for r in self.regions if r.name == name)
+
+    def link(self, a: str, b: str) -> tuple[float, float]:
+        """(bandwidth_mbit, rtt_ms) between regions ``a`` and ``b``."""
+        if a == b:
+            r = self.region(a)
+            return r.bandwidth_mbit, r.rtt_ms
+        for w in self.wan:
+            if set(w.regions) == {a, b}:
+                return w.bandwidth_mbit, w.rtt_ms
+        raise KeyError((a, b))
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Load and check a topology file; raises `ConfigError` naming the file and the path."""
+    file = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e.strerror}", file=file) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML: {e}", file=file) from None
+    topo = convert(Topology, data, file=file)
+    check(topo, file)
+    return topo
+
+
+def check(t: Topology, file: str | None = None) -> None:
+    """The cross-object rules of the module docstring."""
+
+    def fail(path: str, msg: str) -> ConfigError:
+        return ConfigError(msg, file=file, path=path)
+
+    regions = [r.name for r in t.regions]
+    _unique(regions, "regions", "name", fail)
+    names = [n.name for n in t.nodes]
+    _unique(names, "nodes", "name", fail)
+    index = {n.name: i for i, n in enumerate(t.nodes)}
+    for i, w in enumerate(t.wan):
+        for r in w.regions:
+            if r not in regions:
+                raise fail(f"wan[{i}].regions", f"no region named {r!r}")
+    for i, n in enumerate(t.nodes):
+        if n.region not in regions:
+            raise fail(f"nodes[{i}].region", f"no region named {n.region!r}")
+    trainers = [i for i, n in enumerate(t.nodes) if n.role == "trainer"]
+    if len(trainers) != 1:
+        raise fail("nodes", f"need exactly one trainer, found {len(trainers)}")
+    for i, n in enumerate(t.nodes):
+        for j, p in [(None, n.parent), *enumerate(n.fallback_parents or ())]:
+            if p is None or (p == AUTO and j is None):
+                continue
+            where = f"nodes[{i}].parent" if j is None else f"nodes[{i}].fallback_parents[{j}]"
+            if p not in index:
+                raise fail(where, f"no node named {p!r}")
+            if p == n.name:
+                raise fail(where, f"{n.name!r} cannot be its own parent")
+            if t.nodes[index[p]].role == "rollout":
+                raise fail(where, f"{p!r} is a rollout node; parents are the trainer or relays")
+        rdv = n.transport.rendezvous if isinstance(n.transport, WebRtcSpec) else None
+        if rdv is not None and rdv not in index:
+            raise fail(f"nodes[{i}].transport.rendezvous", f"no node named {rdv!r}")
+        # a parent in another region needs a declared WAN link (checked on the planned tree too)
+        if n.parent not in (None, AUTO) and t.nodes[index[n.parent]].region != n.region:
+            try:
+                t.link(n.region, t.nodes[index[n.parent]].region)
+            except KeyError:
+                raise fail(f"nodes[{i}].parent", f"no wan link between regions {n.region!r} and "
+                           f"{t.nodes[index[n.parent]].region!r}") from None  # fmt: skip
+    for i, n in enumerate(t.nodes):  # explicit chains reach the trainer
+        seen = [n.name]
+        cur = n
+        while cur.parent not in (None, AUTO):
+            cur = t.nodes[index[cur.parent]]
+            if cur.name in seen:
+                raise fail(f"nodes[{i}].parent", f"cycle: {' -> '.join([*seen, cur.name])}")
+            seen.append(cur.name)
+    listen: dict[str, int] = {}
+    for i, n in enumerate(t.nodes):
+        if n.role != "rollout" and n.listen is None:
+            raise fail(f"nodes[{i}].listen", f"the {n.role} {n.name!r} needs a listen address for its children")
+        if n.listen is not None:
+            if n.listen in listen:
+                raise fail(f"nodes[{i}].listen", f"{n.listen} is also nodes[{listen[n.listen]}].listen")
+            listen[n.listen] = i
+    keyed = [i for i, n in enumerate(t.nodes) if n.public_key is not None]
+    if keyed and len(keyed) != len(t.nodes):
+        missing = next(i for i, n in enumerate(t.nodes) if n.public_key is None)
+        raise fail(f"nodes[{missing}].public_key", "CurveZMQ keys are set for some nodes: set them for every node")
+
+
+def _unique(values: list[str], section: str, key: str, fail: Any) -> None:
+    seen: dict[str, int] = {}
+    for i, v in enumerate(values):
+        if v in seen:
+            raise fail(f"{section}[{i}].{key}", f"{v!r} is also {section}[{seen[v]}].{key}")
+        seen[v] = i

@@ -1,0 +1,181 @@
+"""Topology files: every shipped file loads; bad files fail naming the path; the planner's tree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aurora.config.plan import estimate, plan
+from aurora.config.strict import convert
+from aurora.config.topology import Topology, check, load_topology
+from aurora.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "topologies").glob("*.yaml"))
+
+
+def test_the_shipped_topologies_exist() -> None:
+    assert {p.name for p in SHIPPED} >= {"local.yaml", "wan-4region.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_topology_loads_and_plans(path: Path) -> None:
+    topo = load_topology(path)
+    tree = plan(topo, str(path))
+    assert set(tree.parent) == {n.name for n in topo.nodes}
+    assert tree.time_to_all_s > 0
+
+
+def _base() -> dict[str, Any]:
+    return {
+        "name": "t",
+        "regions": [{"name": "a"}, {"name": "b"}],
+        "wan": [{"regions": ["a", "b"], "bandwidth_mbit": 100, "rtt_ms": 50}],
+        "nodes": [
+            {"name": "trainer", "role": "trainer", "region": "a", "listen": "tcp://127.0.0.1:1"},
+            {"name": "relay", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:2", "parent": "trainer"},
+            {"name": "r1", "role": "rollout", "region": "b", "parent": "relay"},
+        ],
+    }
+
+
+def _set(d: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    keys = path.replace("]", "").replace("[", ".").split(".")
+    cur: Any = d
+    for k in keys[:-1]:
+        cur = cur[int(k)] if k.isdigit() else cur[k]
+    last = keys[-1]
+    if value is _DELETE:
+        del cur[int(last) if last.isdigit() else last]
+    elif last.isdigit():
+        cur[int(last)] = value
+    else:
+        cur[last] = value
+    return d
+
+
+_DELETE = object()
+
+BAD: list[tuple[str, Any, str, str]] = [
+    ("nodes.2.colour", "red", "nodes[2].colour", "unknown key"),
+    ("nodes.1.egress_mbit", "fast", "nodes[1].egress_mbit", "expected a number"),
+    ("nodes.2.role", "worker", "nodes[2].role", "expected one of"),
+    ("nodes.2.parent", "nobody", "nodes[2].parent", "no node named 'nobody'"),
+    ("nodes.1.parent", "r1", "nodes[1].parent", "is a rollout node"),
+    ("nodes.1.parent", "relay", "nodes[1].parent", "own parent"),
+    ("nodes.2.region", "mars", "nodes[2].region", "no region named 'mars'"),
+    ("nodes.1.listen", "tcp://127.0.0.1:1", "nodes[1].listen", "also nodes[0].listen"),
+    ("nodes.1.listen", _DELETE, "nodes[1].listen", "needs a listen address"),
+    ("nodes.2.name", "relay", "nodes[2].name", "also nodes[1].name"),
+    (
+        "nodes.2",
+        {"name": "t2", "role": "trainer", "region": "b", "listen": "tcp://h:9"},
+        "nodes",
+        "exactly one trainer",
+    ),
+    ("nodes.2.parent", _DELETE, "nodes[2].parent", "needs a parent"),
+    ("wan", [], "nodes[1].parent", "no wan link"),
+    ("nodes.2.fallback_parents", ["ghost"], "nodes[2].fallback_parents[0]", "no node named 'ghost'"),
+    ("nodes.0.parent", "relay", "nodes[0].parent", "the trainer has no parent"),
+    ("heartbeat", {"interval_s": 2.0}, "heartbeat", "interval_s"),
+    ("wan.0.regions", ["a", "a"], "wan[0].regions", "two different regions"),
+    ("wan.0.bandwidth_mbit", 0, "wan[0].bandwidth_mbit", "must be > 0"),
+    ("nodes.2.transport", {"kind": "carrier-pigeon"}, "nodes[2].transport.kind", "expected one of"),
+]
+
+
+@pytest.mark.parametrize(("where", "value", "path", "message"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
+def test_a_bad_file_names_the_file_and_the_path(tmp_path: Path, where: str, value: Any, path: str,
+                                                message: str) -> None:  # fmt: skip
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(_set(_base(), where, value)))
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        load_topology(f)
+    assert e.value.file == str(f)
+    assert e.value.path == path
+
+
+def test_cycles_and_relays_without_a_path_to_the_trainer_are_refused(tmp_path: Path) -> None:
+    d = _base()
+    d["nodes"].append({"name": "relay2", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:3",
+                       "parent": "relay3"})  # fmt: skip
+    d["nodes"].append({"name": "relay3", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:4",
+                       "parent": "relay2"})  # fmt: skip
+    f = tmp_path / "cycle.yaml"
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match="cycle: relay2 -> relay3 -> relay2") as e:
+        load_topology(f)
+    assert e.value.path == "nodes[3].parent"
+
+
+def test_a_fallback_inside_the_nodes_own_subtree_is_refused(tmp_path: Path) -> None:
+    d = _base()
+    d["nodes"].append({"name": "relay2", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:3",
+                       "parent": "relay"})  # fmt: skip
+    d["nodes"][1]["fallback_parents"] = ["relay2"]
+    f = tmp_path / "fb.yaml"
+    f.write_text(yaml.safe_dump(d))
+    topo = load_topology(f)
+    with pytest.raises(ConfigError, match="own subtree") as e:
+        plan(topo, str(f))
+    assert e.value.path == "nodes[1].fallback_parents[0]"
+
+
+def test_not_yaml_and_missing_files_are_config_errors(tmp_path: Path) -> None:
+    f = tmp_path / "x.yaml"
+    f.write_text("nodes: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_topology(f)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_topology(tmp_path / "absent.yaml")
+
+
+@st.composite
+def wan_topologies(draw: st.DrawFn) -> Topology:
+    n_regions = draw(st.integers(1, 4))
+    local_mbit = draw(st.sampled_from([1000.0, 10000.0]))
+    wan_mbit = draw(st.sampled_from([10.0, 50.0, 100.0]))
+    regions = [{"name": f"r{i}", "bandwidth_mbit": local_mbit} for i in range(n_regions)]
+    wan = [{"regions": ["r0", f"r{i}"], "bandwidth_mbit": wan_mbit, "rtt_ms": draw(st.sampled_from([20, 50, 150]))}
+           for i in range(1, n_regions)]  # fmt: skip
+    nodes: list[dict[str, Any]] = [{"name": "trainer", "role": "trainer", "region": "r0", "listen": "tcp://h:1"}]
+    port = 2
+    for i in range(n_regions):
+        for j in range(draw(st.integers(1 if i else 0, 2))):
+            nodes.append({"name": f"relay-{i}-{j}", "role": "relay", "region": f"r{i}", "listen": f"tcp://h:{port}",
+                          "parent": "auto"})  # fmt: skip
+            port += 1
+        nodes += [{"name": f"roll-{i}-{j}", "role": "rollout", "region": f"r{i}", "parent": "auto"}
+                  for j in range(draw(st.integers(1, 4)))]  # fmt: skip
+    t = convert(Topology, {"name": "gen", "regions": regions, "wan": wan, "nodes": nodes})
+    check(t)
+    return t
+
+
+@given(wan_topologies())
+def test_the_planned_tree_reaches_everyone_once_per_region_and_beats_the_star(topo: Topology) -> None:
+    tree = plan(topo)
+    root = topo.trainer.name
+    for n in topo.nodes:  # every chain ends at the trainer, without cycles
+        seen, cur = set(), n.name
+        while cur != root:
+            assert cur not in seen
+            seen.add(cur)
+            parent = tree.parent[cur]
+            assert parent is not None
+            cur = parent
+    region = {n.name: n.region for n in topo.nodes}
+    crossings = [c for c, p in tree.parent.items() if p is not None and region[c] != region[p]]
+    remote = {n.region for n in topo.nodes if n.region != "r0"}
+    assert len(crossings) == len(remote), f"WAN crossings {crossings} for remote regions {remote}"
+    star = {n.name: (None if n.role == "trainer" else root) for n in topo.nodes}
+    assert tree.time_to_all_s <= max(estimate(topo, star, tree.payload_bytes).values()) + 1e-9
+    for name, fbs in tree.fallbacks.items():
+        assert name not in fbs
+        assert tree.parent[name] not in fbs
