@@ -21,7 +21,7 @@ from aurora.testing.memory import MemoryChannel, memory_channel_pair
 
 
 def _offer(data: bytes, frame_bytes: int, tid: str = "t") -> BulkOffer:
-    return BulkOffer(tid, len(data), frame_bytes, payload_digest(data))
+    return BulkOffer(tid, len(data), frame_bytes, payload_digest(data, frame_bytes))
 
 
 @given(

@@ -39,9 +39,9 @@ from aurora.protocol.bulk import (
     DEFAULT_FRAME_BYTES,
     BulkAssembly,
     BulkOffer,
-    frame_digest,
+    digest_of_frames,
+    frame_digests,
     from_ranges,
-    payload_digest,
 )
 
 log = structlog.get_logger("aurora.transport.bulk")
@@ -53,7 +53,8 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
     """Deliver ``payload`` (see the module docstring); returns the transfer id. Not
     cancellation-safe for the channels: a cancelled transfer may leave them mid-message."""
     view = memoryview(payload).cast("B")
-    offer = BulkOffer(transfer_id or secrets.token_hex(8), view.nbytes, frame_bytes, payload_digest(view))
+    digests = frame_digests(view, frame_bytes)  # the only pass over the bytes on this side
+    offer = BulkOffer(transfer_id or secrets.token_hex(8), view.nbytes, frame_bytes, digest_of_frames(digests))
     live = [c for c in channels if not c.closed]
     rnd = 0
     while True:
@@ -70,7 +71,7 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
         if reply["k"] == "bulk_done":
             return offer.id
         want = from_ranges(list(reply.get("missing", [])), offer.frames)
-        survivors = await _stripe(live, view, offer, want, rnd, stall_s)
+        survivors = await _stripe(live, view, offer, digests, want, rnd, stall_s)
         if len(survivors) < len(live):  # the receiver waits for every stream's end: start over
             live = survivors
             continue
@@ -92,8 +93,8 @@ async def _reply(ctl: Channel, tid: str, timeout_s: float) -> Mapping[str, Any]:
                 return h
 
 
-async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, want: list[int], rnd: int,
-                  stall_s: float) -> list[Channel]:  # fmt: skip
+async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, digests: list[int], want: list[int],
+                  rnd: int, stall_s: float) -> list[Channel]:  # fmt: skip
     """Send the wanted frames over every live stream; returns the streams still usable."""
     queue = list(reversed(want))
     dead: list[Channel] = []
@@ -106,7 +107,7 @@ async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, want:
                 frame = view[start:end]
                 try:
                     async with asyncio.timeout(stall_s):
-                        await ch.send({"k": "bulk_frame", "id": offer.id, "i": i, "d": frame_digest(frame)}, frame)
+                        await ch.send({"k": "bulk_frame", "id": offer.id, "i": i, "d": digests[i]}, frame)
                 except (TransportClosed, TimeoutError):
                     queue.append(i)  # another stream takes it
                     raise

@@ -1,0 +1,161 @@
+"""`VersionRouter`: what a trainer or relay sends each child as weight versions flow down the tree.
+
+A node holds committed versions up to ``latest`` and at most one delta in
+flight, ``latest → latest + 1``, whose chunks arrive in any order (from the
+parent, or from the local publisher on the trainer). Children report the
+version they hold when they attach and whenever they commit one.
+
+Rules (outputs are drained with `commands()`):
+
+* **cut-through**: a child that holds the in-flight delta's base gets its
+  manifest, then every chunk that has already arrived, then each new chunk the
+  moment it arrives — it never waits for this node to hold the whole delta;
+* **catch-up**: a child that is behind ``latest`` (or holds nothing) gets one
+  `SendCatchUp` from its version to ``latest`` (the driver serves a composed
+  delta or an anchor from its store, whichever is smaller); once it reports
+  ``latest`` it joins the stream of the in-flight delta;
+* a child ahead of this node (it had a faster parent before) is sent nothing
+  until this node catches up with it.
+
+Invariants (checked by property tests): a child is sent chunks of a delta
+only if the last version it reported — or the target of the catch-up sent to
+it — is that delta's base, and only after the delta's manifest; each chunk
+goes to each child at most once per attachment; when the flow stops, every
+attached child has been sent what brings it to ``latest``.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaInfo:
+    base: int
+    target: int
+    chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendManifest:
+    child: str
+    delta: DeltaInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SendChunk:
+    child: str
+    target: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendCatchUp:
+    child: str
+    from_version: int | None
+    """None: the child holds nothing (send an anchor)."""
+    to_version: int
+
+
+Command = SendManifest | SendChunk | SendCatchUp
+
+
+@dataclass
+class _Child:
+    version: int | None
+    catching_up_to: int | None = None
+    streaming: int | None = None  # target of the delta it is being streamed
+    sent: set[int] = field(default_factory=set)
+
+    @property
+    def effective(self) -> int | None:
+        """The version the child will hold once what it was sent has landed."""
+        return self.catching_up_to if self.catching_up_to is not None else self.version
+
+
+class VersionRouter:
+    def __init__(self, latest: int | None) -> None:
+        self.latest = latest
+        self.inflight: DeltaInfo | None = None
+        self.arrived: set[int] = set()
+        self.children: dict[str, _Child] = {}
+        self._out: list[Command] = []
+
+    def commands(self) -> list[Command]:
+        out, self._out = self._out, []
+        return out
+
+    # -- this node's own versions
+    def delta_started(self, delta: DeltaInfo) -> None:
+        if self.latest is None or delta.base != self.latest:
+            raise ValueError(f"delta {delta.base}->{delta.target} does not start at the latest version {self.latest}")
+        if delta.target != delta.base + 1:
+            raise ValueError("versions advance one at a time")
+        if self.inflight is not None and self.inflight != delta:
+            raise ValueError(f"delta to {self.inflight.target} is still in flight")
+        self.inflight, self.arrived = delta, set()
+        for name in sorted(self.children):
+            self._update(name)
+
+    def chunk_arrived(self, target: int, index: int) -> None:
+        d = self.inflight
+        if d is None or target != d.target or not 0 <= index < d.chunks or index in self.arrived:
+            return
+        self.arrived.add(index)
+        for name in sorted(self.children):
+            c = self.children[name]
+            if c.streaming == target and index not in c.sent:
+                c.sent.add(index)
+                self._out.append(SendChunk(name, target, index))
+
+    def version_committed(self, version: int) -> None:
+        """This node now holds ``version`` (its in-flight delta committed, or it caught up)."""
+        if self.latest is not None and version <= self.latest:
+            return
+        self.latest = version
+        if self.inflight is not None and self.inflight.target != version:
+            self.inflight = None  # jumped past it (a catch-up): that stream is moot
+        if self.inflight is not None and self.inflight.target == version:
+            self.inflight = None
+        self.arrived = set()
+        for name in sorted(self.children):
+            self._update(name)
+
+    # -- children
+    def child_attached(self, child: str, version: int | None) -> None:
+        self.children[child] = _Child(version)
+        self._update(child)
+
+    def child_detached(self, child: str) -> None:
+        self.children.pop(child, None)
+
+    def child_version(self, child: str, version: int) -> None:
+        c = self.children.get(child)
+        if c is None or (c.version is not None and version <= c.version):
+            return
+        c.version = version
+        if c.catching_up_to is not None and version >= c.catching_up_to:
+            c.catching_up_to = None
+        if c.streaming is not None and version >= c.streaming:
+            c.streaming, c.sent = None, set()
+        self._update(child)
+
+    def _update(self, name: str) -> None:
+        c = self.children[name]
+        if self.latest is None or c.streaming is not None:
+            return
+        have = c.effective
+        if have is not None and have > self.latest:
+            return  # ahead of us: nothing to send until we catch up
+        if have is None or have < self.latest:
+            if c.catching_up_to is None:
+                c.catching_up_to = self.latest
+                self._out.append(SendCatchUp(name, c.version, self.latest))
+            return
+        d = self.inflight
+        if d is not None and have == d.base and c.catching_up_to is None:
+            c.streaming, c.sent = d.target, set(self.arrived)
+            self._out.append(SendManifest(name, d))
+            self._out.extend(SendChunk(name, d.target, i) for i in sorted(self.arrived))
