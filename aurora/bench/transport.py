@@ -1,7 +1,8 @@
 """`aurora bench transport`: bulk-transfer throughput, all measured in one run.
 
 On loopback: a raw TCP socket (the baseline), ZeroMQ with one stream and with
-N streams under the bulk layer, ``loop_mib`` each. Between two network
+N streams under the bulk layer, ``loop_mib`` each, best of three interleaved
+runs (loopback is CPU-bound, so this shared machine's noise shows most there). Between two network
 namespaces over an emulated link (``tbf`` at 100 Mbit/s plus the userspace
 delay line for 50 ms RTT, at each loss rate — this kernel has no netem): raw
 TCP, ZeroMQ, WebRTC with one data channel, WebRTC striped over N peer
@@ -30,6 +31,7 @@ from typing import Any
 from aurora.errors import AuroraError
 from aurora.testing.wan import Host, Wan, unavailable_reason
 
+LOOP_REPEATS = 3
 LINK_MBIT = 100.0
 LINK_RTT_MS = 50.0
 PEER = [sys.executable, "-m", "aurora.bench.transport_peer"]
@@ -96,10 +98,16 @@ def run(*, loop_mib: int = 256, wan_mib: int = 16, streams: int = 4, rtc_streams
         progress: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     rows: list[Row] = []
     nb = loop_mib << 20
-    progress(f"loopback, {loop_mib} MiB each ...")
-    tcp = _row("loopback", "raw TCP", _pair("tcp", 1, nb))
+    progress(f"loopback, {loop_mib} MiB each, best of {LOOP_REPEATS} interleaved runs ...")
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for _ in range(LOOP_REPEATS):  # interleaved, so a noisy moment hits every row alike
+        for kind, n in (("tcp", 1), ("zmq", 1), ("zmq", streams)):
+            r = _pair(kind, n, nb)
+            if (kind, n) not in best or r["seconds"] < best[kind, n]["seconds"]:
+                best[kind, n] = r
+    tcp = _row("loopback", "raw TCP", best["tcp", 1])
     rows.append(tcp)
-    rows += [_row("loopback", "ZeroMQ", _pair("zmq", n, nb)) for n in (1, streams)]
+    rows += [_row("loopback", "ZeroMQ", best["zmq", n]) for n in (1, streams)]
     for r in rows:
         r.vs_tcp = r.mb_s / tcp.mb_s
     reason = unavailable_reason() if wan else "skipped (--no-wan)"
