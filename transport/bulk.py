@@ -62,26 +62,30 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
         if not live:
             raise TransportClosed(f"bulk {offer.id!r}: every stream closed ({offer.size} bytes not confirmed)")
         ctl = live[0]
-        try:
-            await ctl.send({"k": "bulk_offer", **offer.to_wire(), "round": rnd, "streams": len(live)})
-            reply = await _reply(ctl, offer.id, answer_timeout_s)
-        except (TransportClosed, TimeoutError):
+        offer_msg = {"k": "bulk_offer", **offer.to_wire(), "round": rnd, "streams": len(live)}
+        reply = await _exchange(ctl, offer.id, answer_timeout_s, offer_msg)
+        if reply is not None and reply["k"] != "bulk_done":
+            want = from_ranges(list(reply.get("missing", [])), offer.frames)
+            survivors = await _stripe(live, view, offer, digests, want, rnd, stall_s)
+            if len(survivors) < len(live):  # the receiver waits for every stream's end: start over
+                live = survivors
+                continue
+            reply = await _exchange(ctl, offer.id, answer_timeout_s)
+        if reply is None:
             live.remove(ctl)
-            continue
-        if reply["k"] == "bulk_done":
+        elif reply["k"] == "bulk_done":
             return offer.id
-        want = from_ranges(list(reply.get("missing", [])), offer.frames)
-        survivors = await _stripe(live, view, offer, digests, want, rnd, stall_s)
-        if len(survivors) < len(live):  # the receiver waits for every stream's end: start over
-            live = survivors
-            continue
-        try:
-            reply = await _reply(ctl, offer.id, answer_timeout_s)
-        except (TransportClosed, TimeoutError):
-            live.remove(ctl)
-            continue
-        if reply["k"] == "bulk_done":
-            return offer.id
+
+
+async def _exchange(ctl: Channel, tid: str, timeout_s: float,
+                    msg: Mapping[str, Any] | None = None) -> Mapping[str, Any] | None:  # fmt: skip
+    """Send ``msg`` (if any) and wait for the receiver's answer; None if ``ctl`` failed or fell silent."""
+    try:
+        if msg is not None:
+            await ctl.send(msg)
+        return await _reply(ctl, tid, timeout_s)
+    except (TransportClosed, TimeoutError):
+        return None
 
 
 async def _reply(ctl: Channel, tid: str, timeout_s: float) -> Mapping[str, Any]:

@@ -102,9 +102,9 @@ def run(*, loop_mib: int = 256, wan_mib: int = 16, streams: int = 4, rtc_streams
     best: dict[tuple[str, int], dict[str, Any]] = {}
     for _ in range(LOOP_REPEATS):  # interleaved, so a noisy moment hits every row alike
         for kind, n in (("tcp", 1), ("zmq", 1), ("zmq", streams)):
-            r = _pair(kind, n, nb)
-            if (kind, n) not in best or r["seconds"] < best[kind, n]["seconds"]:
-                best[kind, n] = r
+            got = _pair(kind, n, nb)
+            if (kind, n) not in best or got["seconds"] < best[kind, n]["seconds"]:
+                best[kind, n] = got
     tcp = _row("loopback", "raw TCP", best["tcp", 1])
     rows.append(tcp)
     rows += [_row("loopback", "ZeroMQ", best["zmq", n]) for n in (1, streams)]
