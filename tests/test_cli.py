@@ -122,3 +122,17 @@ def test_keys_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert stat.S_IMODE((tmp_path / "relay-b.key_secret").stat().st_mode) == 0o600
     assert main(["keys", "generate", "relay-b", "-o", str(tmp_path)]) == 2  # never overwrites
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_topology_check_prints_the_tree_or_one_line_naming_the_path(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "aurora", "topology", "check", str(Path(__file__).parent.parent / "topologies" / "wan-4region.yaml")],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "└── " in r.stdout
+    assert "estimated time to all" in r.stdout
+    bad = tmp_path / "t.yaml"
+    bad.write_text("name: x\nregions: [{name: a}]\nnodes: [{name: t, role: trainer, region: b, listen: 'tcp://h:1'}]\n")
+    r = subprocess.run([sys.executable, "-m", "aurora", "topology", "check", str(bad)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"aurora: error: {bad}:nodes[0].region: no region named 'b'"
