@@ -244,9 +244,11 @@ def apply(
 ) -> Weights:
     """A new weight set: ``base`` with the delta applied (``base`` is not modified)."""
     staged = receive(manifest, chunks).stage(base, threads=threads)
-    if base is None:
-        out = Weights({t.name: TensorBits(t.dtype, t.shape, np.zeros(t.numel, t.dtype.uint)) for t in manifest.tensors})
-    else:
-        out = base.copy()
+    out = blank_weights(manifest) if base is None else base.copy()
     staged.commit(out)
     return out
+
+
+def blank_weights(manifest: Manifest) -> Weights:
+    """Zeroed tensors in the manifest's layout: what a snapshot is committed into."""
+    return Weights({t.name: TensorBits(t.dtype, t.shape, np.zeros(t.numel, t.dtype.uint)) for t in manifest.tensors})

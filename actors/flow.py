@@ -1,0 +1,211 @@
+"""`VersionFlow`: a node's weight versions flowing in from its parent and out to its children.
+
+The driver for `aurora.protocol.routing.VersionRouter` over `Channel`s, with
+the codec doing the bytes. The trainer calls `publish` with each new version:
+the delta is encoded chunk by chunk and each chunk goes to the children as it
+is produced. A relay or rollout node feeds what its parent sends into
+`on_parent_message`: every chunk is verified on arrival (`DeltaReceiver.add`)
+and forwarded at once (cut-through); the version is committed all-or-nothing
+when the last chunk is in. Children report their versions with ``version``
+messages (`on_child_message`); a child that is behind gets the missing deltas
+in order from the node's recent history, or a snapshot when they are gone.
+
+Wire messages (headers; buffers carry the bytes):
+
+* ``delta_manifest`` {base, target, n} + packed manifest — n chunks follow;
+* ``delta_chunk`` {target, i} + packed chunk;
+* ``version`` {v} — from a child: the version it now holds.
+
+Invariants: a node applies a delta only onto the version it was made from (or
+a snapshot onto anything), so versions only move forward, one verified
+commit at a time; a chunk that fails verification raises `DeltaFormatError`
+and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import structlog
+from aurora.transport.base import Channel, Message
+
+from aurora.codec import Weights
+from aurora.codec.decoder import DeltaReceiver, blank_weights
+from aurora.codec.encoder import encode, encode_stream
+from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
+from aurora.errors import ProtocolError
+from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
+
+log = structlog.get_logger("aurora.actors.flow")
+
+DEFAULT_KEEP_VERSIONS = 8
+
+
+@dataclass
+class _Stored:
+    manifest: bytes
+    chunks: list[bytes | None] = field(default_factory=list)
+
+
+@dataclass
+class _Incoming:
+    manifest: Manifest
+    receiver: DeltaReceiver
+    n: int
+    streamed: bool
+    """Routed to children chunk by chunk (a delta on the latest version, not a snapshot)."""
+
+
+class VersionFlow:
+    def __init__(self, name: str, weights: Weights | None, version: int | None, *,
+                 keep_versions: int = DEFAULT_KEEP_VERSIONS) -> None:  # fmt: skip
+        self.name = name
+        self.weights = weights
+        self.version = version
+        self.keep_versions = keep_versions
+        self.router = VersionRouter(version)
+        self.children: dict[str, Channel] = {}
+        self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
+        self._incoming: _Incoming | None = None
+        self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
+
+    # -- children
+    async def add_child(self, ch: Channel, version: int | None) -> None:
+        self.children[ch.peer] = ch
+        self.router.child_attached(ch.peer, version)
+        await self._run(self.router.commands())
+
+    def remove_child(self, peer: str) -> None:
+        self.children.pop(peer, None)
+        self.router.child_detached(peer)
+
+    async def on_child_message(self, peer: str, msg: Message) -> None:
+        if msg.header.get("k") == "version":
+            self.router.child_version(peer, int(msg.header["v"]))
+            await self._run(self.router.commands())
+
+    # -- the trainer's side
+    async def publish(self, new: Weights) -> int:
+        """Make ``new`` the next version and stream its delta to the children as it is encoded."""
+        if self.weights is None or self.version is None:
+            raise ProtocolError("publish needs a current version to diff against", remote=False)
+        target = self.version + 1
+        m, chunks = encode_stream(self.weights, new, base_version=self.version, target_version=target)
+        n = DeltaReceiver(m).expected
+        stored = _Stored(pack_manifest(m), [None] * n)
+        self._remember(target, stored)
+        self.router.delta_started(DeltaInfo(self.version, target, n))
+        await self._run(self.router.commands())
+        for i, c in enumerate(chunks):
+            stored.chunks[i] = c
+            self.router.chunk_arrived(target, i)
+            await self._run(self.router.commands())
+        self.weights, self.version = new, target
+        self.router.version_committed(target)
+        await self._run(self.router.commands())
+        log.info("version_published", node=self.name, version=target, chunks=n)
+        return target
+
+    # -- a relay's or rollout's side
+    async def on_parent_message(self, msg: Message) -> int | None:
+        """Feed one message from the parent; returns the version just committed, if any."""
+        h = msg.header
+        k = h.get("k")
+        if k == "delta_manifest":
+            self._begin(bytes(msg.buffers[0]))
+            return None
+        if k == "delta_chunk":
+            return await self._chunk(int(h["target"]), int(h["i"]), bytes(msg.buffers[0]))
+        return None
+
+    def _begin(self, packed: bytes) -> None:
+        m = unpack_manifest(packed)
+        if not m.is_snapshot and m.base_version != self.version:
+            raise ProtocolError(f"{self.name}: parent sent a delta from version {m.base_version}, "
+                                f"this node holds {self.version}", remote=True)  # fmt: skip
+        rx = DeltaReceiver(m)
+        streamed = not m.is_snapshot and self.version is not None and m.target_version == self.version + 1
+        self._incoming = _Incoming(m, rx, rx.expected, streamed)
+        if streamed:
+            self._remember(m.target_version, _Stored(packed, [None] * rx.expected))
+            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, rx.expected))
+
+    async def _chunk(self, target: int, i: int, data: bytes) -> int | None:
+        inc = self._incoming
+        if inc is None or inc.manifest.target_version != target or not 0 <= i < inc.n:
+            raise ProtocolError(f"{self.name}: chunk {i} of version {target} was not announced", remote=True)
+        inc.receiver.add(data)  # verified here; a bad chunk raises and nothing changes
+        if inc.streamed:
+            stored = self.history[target]
+            stored.chunks[i] = data
+            self.router.chunk_arrived(target, i)
+            await self._run(self.router.commands())
+        if not inc.receiver.complete:
+            return None
+        self._incoming = None
+        if inc.manifest.is_snapshot or self.weights is None:
+            fresh = blank_weights(inc.manifest)
+            inc.receiver.stage(None).commit(fresh)
+            self.weights = fresh
+        else:
+            inc.receiver.stage(self.weights).commit(self.weights)
+        if not inc.streamed:
+            self.history.clear()  # older deltas no longer lead to this version
+        self.version = target
+        self.router.version_committed(target)
+        await self._run(self.router.commands())
+        log.info("version_committed", node=self.name, version=target, snapshot=inc.manifest.is_snapshot)
+        return target
+
+    # -- executing the router's commands
+    async def _run(self, commands: list[Command]) -> None:
+        """Send a batch of router commands. Batches are serialised (FIFO lock) so that two tasks
+        (the parent's stream and a child's report) never interleave messages to one child."""
+        async with self._send_lock:
+            await self._send_all(commands)
+
+    async def _send_all(self, commands: list[Command]) -> None:
+        for cmd in commands:
+            ch = self.children.get(cmd.child)
+            if ch is None:
+                continue
+            if isinstance(cmd, SendManifest):
+                stored = self.history[cmd.delta.target]
+                await ch.send({"k": "delta_manifest", "base": cmd.delta.base, "target": cmd.delta.target,
+                               "n": cmd.delta.chunks}, stored.manifest)  # fmt: skip
+            elif isinstance(cmd, SendChunk):
+                chunk = self.history[cmd.target].chunks[cmd.index]
+                assert chunk is not None
+                await ch.send({"k": "delta_chunk", "target": cmd.target, "i": cmd.index}, chunk)
+            elif isinstance(cmd, SendCatchUp):
+                await self._catch_up(ch, cmd)
+
+    async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
+        chain = range((cmd.from_version or 0) + 1, cmd.to_version + 1)
+        complete = cmd.from_version is not None and all(
+            v in self.history and all(c is not None for c in self.history[v].chunks) for v in chain
+        )
+        if complete:
+            for v in chain:
+                s = self.history[v]
+                await ch.send({"k": "delta_manifest", "base": v - 1, "target": v, "n": len(s.chunks)}, s.manifest)
+                for i, c in enumerate(s.chunks):
+                    assert c is not None
+                    await ch.send({"k": "delta_chunk", "target": v, "i": i}, c)
+            log.info("catch_up_sent", node=self.name, child=ch.peer, versions=len(chain))
+            return
+        if self.weights is None:
+            raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
+        snap = encode(None, self.weights, base_version=None, target_version=cmd.to_version)
+        await ch.send({"k": "delta_manifest", "base": None, "target": cmd.to_version, "n": len(snap.chunks)},
+                      pack_manifest(snap.manifest))  # fmt: skip
+        for i, c in enumerate(snap.chunks):
+            await ch.send({"k": "delta_chunk", "target": cmd.to_version, "i": i}, c)
+        log.info("snapshot_sent", node=self.name, child=ch.peer, version=cmd.to_version)
+
+    def _remember(self, target: int, stored: _Stored) -> None:
+        self.history[target] = stored
+        while len(self.history) > self.keep_versions:
+            self.history.popitem(last=False)
