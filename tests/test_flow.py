@@ -99,3 +99,33 @@ async def test_versions_reach_every_node_bit_exact_and_late_joiners_catch_up() -
             assert n.weights is not None
             assert n.weights.digest() == current.digest(), n.name
         await tree.close()
+
+
+async def test_children_of_a_lost_relay_reattach_to_the_trainer_and_converge() -> None:
+    w0 = _model(1)
+    trainer = VersionFlow("trainer", w0.copy(), 0)
+    relay = VersionFlow("relay", None, None)
+    leaves = [VersionFlow(f"rollout-{i}", None, None) for i in range(2)]
+    async with asyncio.TaskGroup() as tg:
+        tree = Tree(tg)
+        await tree.attach(trainer, relay)
+        for leaf in leaves:
+            await tree.attach(relay, leaf)
+        await _until(lambda: all(n.version == 0 for n in (relay, *leaves)))
+        current = perturb(w0, 0.02, seed=11)
+        await trainer.publish(current.copy())
+        await _until(lambda: all(n.version == 1 for n in leaves))
+        # the relay dies: its links close; the trainer forgets it; its children re-attach
+        for ch in tree.links[: 2 + 2 * len(leaves)]:
+            await ch.close("peer lost: relay died")
+        trainer.remove_child("relay")
+        for _ in range(2):  # versions published while the children have no parent
+            current = perturb(current, 0.02, seed=len(trainer.history) + 20)
+            await trainer.publish(current.copy())
+        for leaf in leaves:
+            await tree.attach(trainer, leaf)
+        await _until(lambda: all(n.version == 3 for n in leaves))
+        for leaf in leaves:
+            assert leaf.weights is not None
+            assert leaf.weights.digest() == current.digest()
+        await tree.close()
