@@ -69,7 +69,8 @@ class VersionFlow:
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
         self._incoming: _Incoming | None = None
-        self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
+        self._send_lock = asyncio.Lock()
+        self._weights_lock = asyncio.Lock()  # command batches go out in the order the router made them
 
     # -- children
     async def add_child(self, ch: Channel, version: int | None) -> None:
@@ -98,14 +99,16 @@ class VersionFlow:
         self._remember(target, stored)
         self.router.delta_started(DeltaInfo(self.version, target, n))
         await self._run(self.router.commands())
-        for i, c in enumerate(chunks):
+        for i in range(n):
+            # encoding runs in a thread (the kernels release the GIL) so heartbeats keep flowing
+            c = await asyncio.to_thread(next, chunks)
             stored.chunks[i] = c
             self.router.chunk_arrived(target, i)
             await self._run(self.router.commands())
         self.weights, self.version = new, target
         self.router.version_committed(target)
         await self._run(self.router.commands())
-        log.info("version_published", node=self.name, version=target, chunks=n)
+        log.info("version_published", node=self.name, version=target, chunks=n, digest=m.target_digest.hex()[:16])
         return target
 
     # -- a relay's or rollout's side
@@ -145,18 +148,19 @@ class VersionFlow:
         if not inc.receiver.complete:
             return None
         self._incoming = None
-        if inc.manifest.is_snapshot or self.weights is None:
-            fresh = blank_weights(inc.manifest)
-            inc.receiver.stage(None).commit(fresh)
-            self.weights = fresh
-        else:
-            inc.receiver.stage(self.weights).commit(self.weights)
+        async with self._weights_lock:  # decode in a thread; no snapshot is read meanwhile
+            if inc.manifest.is_snapshot or self.weights is None:
+                self.weights = await asyncio.to_thread(_commit_snapshot, inc)
+            else:
+                w = self.weights
+                await asyncio.to_thread(lambda: inc.receiver.stage(w).commit(w))
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
         self.version = target
         self.router.version_committed(target)
         await self._run(self.router.commands())
-        log.info("version_committed", node=self.name, version=target, snapshot=inc.manifest.is_snapshot)
+        log.info("version_committed", node=self.name, version=target, snapshot=inc.manifest.is_snapshot,
+                 digest=inc.manifest.target_digest.hex()[:16])  # fmt: skip
         return target
 
     # -- executing the router's commands
@@ -198,14 +202,23 @@ class VersionFlow:
             return
         if self.weights is None:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
-        snap = encode(None, self.weights, base_version=None, target_version=cmd.to_version)
-        await ch.send({"k": "delta_manifest", "base": None, "target": cmd.to_version, "n": len(snap.chunks)},
+        async with self._weights_lock:  # label the snapshot with what the weights are now
+            weights, version = self.weights, self.version
+            assert version is not None
+            snap = await asyncio.to_thread(encode, None, weights, base_version=None, target_version=version)
+        await ch.send({"k": "delta_manifest", "base": None, "target": version, "n": len(snap.chunks)},
                       pack_manifest(snap.manifest))  # fmt: skip
         for i, c in enumerate(snap.chunks):
-            await ch.send({"k": "delta_chunk", "target": cmd.to_version, "i": i}, c)
-        log.info("snapshot_sent", node=self.name, child=ch.peer, version=cmd.to_version)
+            await ch.send({"k": "delta_chunk", "target": version, "i": i}, c)
+        log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
 
     def _remember(self, target: int, stored: _Stored) -> None:
         self.history[target] = stored
         while len(self.history) > self.keep_versions:
             self.history.popitem(last=False)
+
+
+def _commit_snapshot(inc: _Incoming) -> Weights:
+    fresh = blank_weights(inc.manifest)
+    inc.receiver.stage(None).commit(fresh)
+    return fresh

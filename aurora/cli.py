@@ -99,6 +99,19 @@ def _add_topology(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     c.add_argument("topology", type=Path, help="the YAML file")
 
 
+def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("node", help="run one node of a topology",
+                       description="Run one node (trainer, relay or rollout) of a topology until SIGINT/SIGTERM. "
+                       "Today a node moves weight versions down the planned relay tree over ZeroMQ: the trainer "
+                       "publishes versions from its learner (learner.kind: synthetic), relays verify and forward "
+                       "each chunk as it arrives, every node re-attaches to its fallback parents when its parent "
+                       "is lost and catches up. Leases, rollout engines and WebRTC parents are not wired yet.")  # fmt: skip
+    p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
+    p.add_argument("--name", required=True, help="this node's name in the topology")
+    p.add_argument("--role", choices=["trainer", "relay", "rollout"],
+                   help="the node's role; checked against the topology (optional)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from aurora import __version__
 
@@ -110,11 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{delta,bench,keys,topology}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{node,delta,bench,keys,topology}")
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
     _add_topology(sub)
+    _add_node(sub)
     return p
 
 
@@ -268,6 +282,34 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from aurora.actors.node import run_node
+    from aurora.config.plan import plan
+    from aurora.config.topology import load_topology
+
+    topo = load_topology(args.topology)
+    tree = plan(topo, str(args.topology))
+    names = [n.name for n in topo.nodes]
+    if args.name not in names:
+        raise AuroraError(f"{args.topology}: no node named {args.name!r} (nodes: {', '.join(names)})")
+    role = topo.node(args.name).role
+    if args.role is not None and args.role != role:
+        raise AuroraError(f"{args.topology}: node {args.name!r} is a {role}, not a {args.role}")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_node(topo, tree, args.name, stop, file=str(args.topology))
+
+    asyncio.run(main())
+    return 0
+
+
 def cmd_keys_generate(args: argparse.Namespace) -> int:
     import os
 
@@ -299,6 +341,7 @@ COMMANDS = {
     ("bench", "transport"): cmd_bench_transport,
     ("keys", "generate"): cmd_keys_generate,
     ("topology", "check"): cmd_topology_check,
+    ("node", None): cmd_node,
 }
 
 
@@ -310,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     sub = getattr(args, f"{args.cmd}_cmd", None)
     try:
-        return COMMANDS[(args.cmd, str(sub))](args)
+        return COMMANDS[(args.cmd, sub)](args)
     except AuroraError as e:
         print(f"aurora: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

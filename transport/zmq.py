@@ -431,6 +431,12 @@ class ZmqTransport:
     async def accept(self) -> ZmqChannel:
         return await self._accepted.get()
 
+    async def disconnect(self, peer: str) -> None:
+        """Close the link to ``peer`` (its channel closes; the peer sees it go)."""
+        client = self.clients.pop(peer, None)
+        if client is not None:
+            await client.close()
+
     async def close(self) -> None:
         for t in self._forwards:
             t.cancel()

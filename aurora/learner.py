@@ -1,0 +1,93 @@
+"""The learner interface, and `SyntheticLearner`, a load generator that stands in for RL.
+
+`Learner.step(samples)` returns the next version's weights. The real RL learner
+(GRPO) is the next issue; until then `SyntheticLearner` produces versions with
+the statistics that matter for weight sync: bf16 weights ~N(0, 0.02) in a few
+tensors, of which a configurable ``density`` fraction moves by ±1–2 ULP per step
+(bit-pattern steps, as lr ~1e-6 AdamW updates that survive the bf16 cast do).
+It is clearly a benchmark/test load, not training: it ignores its samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from aurora.codec import Weights
+from aurora.config.strict import convert
+from aurora.errors import ConfigError
+
+
+class Learner(Protocol):
+    def initial(self) -> Weights:
+        """Version 0."""
+        ...
+
+    def step(self, samples: Sequence[Any]) -> Weights:
+        """Train on ``samples``; return the next version's weights (a new object)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyntheticSpec:
+    kind: str = "synthetic"
+    params: int = 1_000_000
+    """Total bf16 parameters, split over ``tensors`` tensors."""
+    tensors: int = 4
+    density: float = 0.02
+    """Fraction of elements changed per step."""
+    interval_s: float = 1.0
+    """Seconds between published versions."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind != "synthetic":
+            raise ConfigError(f"unknown learner kind {self.kind!r} (this build has: synthetic)", path="kind")
+        if self.params < self.tensors or self.tensors < 1:
+            raise ConfigError("need params >= tensors >= 1", path="params")
+        if not 0 < self.density <= 1:
+            raise ConfigError("must be in (0, 1]", path="density")
+        if self.interval_s <= 0:
+            raise ConfigError("must be > 0", path="interval_s")
+
+
+class SyntheticLearner:
+    """A load generator (see the module docstring)."""
+
+    def __init__(self, spec: SyntheticSpec) -> None:
+        self.spec = spec
+        self.rng = np.random.default_rng(spec.seed)
+        per = spec.params // spec.tensors
+        self._bits = {  # bf16 bit patterns: the top half of each fp32
+            f"layers.{i}.weight": (
+                (self.rng.standard_normal(per, dtype=np.float32) * 0.02).view(np.uint32) >> 16
+            ).astype(np.uint16)
+            for i in range(spec.tensors)
+        }
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any], file: str | None = None) -> SyntheticLearner:
+        return cls(convert(SyntheticSpec, section, file=file, path="learner"))
+
+    def _weights(self) -> Weights:
+        return Weights.from_tensors({k: _as_bf16(v) for k, v in self._bits.items()})
+
+    def initial(self) -> Weights:
+        return self._weights()
+
+    def step(self, samples: Sequence[Any] = ()) -> Weights:
+        for bits in self._bits.values():
+            k = max(1, round(bits.size * self.spec.density))
+            pos = self.rng.choice(bits.size, size=k, replace=False)
+            steps = self.rng.choice(np.array([-2, -1, 1, 2], dtype=np.int32), size=k, p=[0.1, 0.4, 0.4, 0.1])
+            bits[pos] = (bits[pos].astype(np.int32) + steps).astype(np.uint16)
+        return self._weights()
+
+
+def _as_bf16(bits: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(bits.copy().view(np.int16)).view(torch.bfloat16)

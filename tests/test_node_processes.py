@@ -1,0 +1,116 @@
+"""Real `aurora node` processes over ZeroMQ on loopback: a relay killed with SIGKILL mid-run.
+
+Its children re-attach to their fallback parent, catch up, and every rollout ends on the
+trainer's last version, bit-exact (the version's digest, as each node logs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STEPS = 10
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _topology(path: Path) -> Path:
+    p = _free_ports(3)
+    path.write_text(f"""
+name: kill-test
+regions: [{{name: local}}]
+nodes:
+  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{p[0]}"}}
+  - {{name: relay-a, role: relay, region: local, listen: "tcp://127.0.0.1:{p[1]}", parent: trainer}}
+  - {{name: relay-b, role: relay, region: local, listen: "tcp://127.0.0.1:{p[2]}", parent: trainer}}
+  - {{name: rollout-1, role: rollout, region: local, parent: relay-a, fallback_parents: [trainer]}}
+  - {{name: rollout-2, role: rollout, region: local, parent: relay-a, fallback_parents: [relay-b]}}
+  - {{name: rollout-3, role: rollout, region: local, parent: relay-b}}
+heartbeat: {{interval_s: 0.2, suspect_after_s: 0.6, lost_after_s: 1.2}}
+learner: {{kind: synthetic, params: 200000, density: 0.02, interval_s: 0.4}}
+run: {{steps: {STEPS}}}
+""")
+    return path
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]]:
+    topo = _topology(tmp_path / "t.yaml")
+    names = ["trainer", "relay-a", "relay-b", "rollout-1", "rollout-2", "rollout-3"]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = {n: tmp_path / f"{n}.log" for n in names}
+    try:
+        for n in names:
+            with logs[n].open("wb") as err:
+                argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(topo)]
+                procs[n] = subprocess.Popen([*argv, "--name", n], stdout=subprocess.DEVNULL, stderr=err,
+                                            start_new_session=True)  # fmt: skip
+        yield procs, logs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _version(log: Path) -> int:
+    vs = [e["version"] for e in _events(log) if e["event"] == "version_committed"]
+    return max(vs, default=-1)
+
+
+def test_killing_a_relay_mid_run_children_reattach_and_converge(
+    cluster: tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]],
+) -> None:
+    procs, logs = cluster
+    rollouts = ["rollout-1", "rollout-2", "rollout-3"]
+    # generous: on a clean checkout six processes may compile the numba kernels at once on two cores
+    _wait(lambda: all(_version(logs[r]) >= 2 for r in rollouts), 180, "version 2 on every rollout")
+    os.killpg(procs["relay-a"].pid, signal.SIGKILL)
+    _wait(lambda: all(_version(logs[r]) >= STEPS for r in rollouts), 60, f"version {STEPS} everywhere")
+
+    published = {e["version"]: e["digest"] for e in _events(logs["trainer"]) if e["event"] == "version_published"}
+    for r in rollouts:
+        committed = {e["version"]: e["digest"] for e in _events(logs[r]) if e["event"] == "version_committed"}
+        assert committed[STEPS] == published[STEPS], r
+        versions = [e["version"] for e in _events(logs[r]) if e["event"] == "version_committed"]
+        assert versions == sorted(versions), f"{r} applied versions out of order: {versions}"
+    attached = {(r, e["parent"]) for r in rollouts for e in _events(logs[r]) if e["event"] == "parent_attached"}
+    assert ("rollout-1", "trainer") in attached
+    assert ("rollout-2", "relay-b") in attached
+    assert any(e["event"] == "parent_lost" for e in _events(logs["rollout-1"]))
+
+    for n, p in procs.items():  # SIGTERM: a clean stop, exit code 0
+        if n != "relay-a":
+            p.send_signal(signal.SIGTERM)
+    for n, p in procs.items():
+        if n != "relay-a":
+            assert p.wait(timeout=15) == 0, (n, logs[n].read_text()[-2000:])
