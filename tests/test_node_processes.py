@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-STEPS = 10
+STEPS = 30
 
 
 def _free_ports(n: int) -> list[int]:
@@ -44,7 +44,7 @@ nodes:
   - {{name: rollout-2, role: rollout, region: local, parent: relay-a, fallback_parents: [relay-b]}}
   - {{name: rollout-3, role: rollout, region: local, parent: relay-b}}
 heartbeat: {{interval_s: 0.2, suspect_after_s: 0.6, lost_after_s: 1.2}}
-learner: {{kind: synthetic, params: 200000, density: 0.02, interval_s: 0.4}}
+learner: {{kind: synthetic, params: 200000, density: 0.02, interval_s: 0.3}}
 run: {{steps: {STEPS}}}
 """)
     return path
@@ -62,6 +62,10 @@ def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]]
     logs = {n: tmp_path / f"{n}.log" for n in names}
     try:
         for n in names:
+            if n.startswith("rollout") and not all(_attached(logs[r]) for r in ("relay-a", "relay-b")):
+                # parents first, as `aurora run` will do: a child that finds its parent not yet
+                # attached is refused and takes its fallback (where it would then stay)
+                _wait(lambda: all(_attached(logs[r]) for r in ("relay-a", "relay-b")), 180, "the relays to attach")
             with logs[n].open("wb") as err:
                 argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(topo)]
                 procs[n] = subprocess.Popen([*argv, "--name", n], stdout=subprocess.DEVNULL, stderr=err,
@@ -82,6 +86,14 @@ def _wait(cond: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def _attached(log: Path) -> str | None:
+    """The parent this node last attached to, if any."""
+    if not log.exists():
+        return None
+    parents = [e["parent"] for e in _events(log) if e["event"] == "parent_attached"]
+    return parents[-1] if parents else None
+
+
 def _version(log: Path) -> int:
     vs = [e["version"] for e in _events(log) if e["event"] == "version_committed"]
     return max(vs, default=-1)
@@ -94,6 +106,8 @@ def test_killing_a_relay_mid_run_children_reattach_and_converge(
     rollouts = ["rollout-1", "rollout-2", "rollout-3"]
     # generous: on a clean checkout six processes may compile the numba kernels at once on two cores
     _wait(lambda: all(_version(logs[r]) >= 2 for r in rollouts), 180, "version 2 on every rollout")
+    assert [_attached(logs[r]) for r in rollouts] == ["relay-a", "relay-a", "relay-b"]
+    assert max(_version(logs[r]) for r in rollouts) < STEPS - 5, "the run ended before the kill"
     os.killpg(procs["relay-a"].pid, signal.SIGKILL)
     _wait(lambda: all(_version(logs[r]) >= STEPS for r in rollouts), 60, f"version {STEPS} everywhere")
 
