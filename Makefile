@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/aurora bench codec
+	$(BIN)/aurora run topologies/local.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

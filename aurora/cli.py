@@ -123,12 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{node,delta,bench,keys,topology}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,delta,bench,keys,topology}")
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
     _add_topology(sub)
     _add_node(sub)
+    r = sub.add_parser("run", help="run every node of a topology on this machine",
+                       description="Start every node of the topology as its own process (parents first), show "
+                       "each node's weight version as it changes, and stop everything (children first) once the "
+                       "trainer has published run.steps versions and every node holds the last one, or on "
+                       "Ctrl-C.")  # fmt: skip
+    r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
     return p
 
 
@@ -306,7 +312,21 @@ def cmd_node(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await run_node(topo, tree, args.name, stop, file=str(args.topology))
 
-    asyncio.run(main())
+    failed: AuroraError | None = None
+    try:
+        asyncio.run(main())
+    except* AuroraError as eg:  # raised inside the node's task group
+        first = eg.exceptions[0]
+        failed = first if isinstance(first, AuroraError) else AuroraError(str(first))
+    if failed is not None:
+        raise failed
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from aurora.run import run
+
+    run(args.topology, progress=lambda m: print(m, flush=True))
     return 0
 
 
@@ -342,6 +362,7 @@ COMMANDS = {
     ("keys", "generate"): cmd_keys_generate,
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,
+    ("run", None): cmd_run,
 }
 
 

@@ -304,7 +304,13 @@ class ZmqServer(_Endpoint):
             self.sock.curve_secretkey = self.curve.secret
             self.sock.curve_publickey = self.curve.public
             self.sock.curve_server = True
-        self.sock.bind(self.bind_addr)
+        try:
+            self.sock.bind(self.bind_addr)
+        except zmq.ZMQError as e:
+            self.sock.close(linger=0)
+            self._before_term()
+            self.ctx.destroy(linger=0)
+            raise TransportClosed(f"{self.node_id}: cannot listen on {self.bind_addr}: {e}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._spawn(tg)
         log.info("zmq_listening", node=self.node_id, address=self.address, curve=self.curve is not None)

@@ -1,0 +1,163 @@
+"""`aurora run T.yaml`: every node of a topology on this machine, as separate processes.
+
+Nodes start parents first (a child waits until its parent has attached to the
+tree, so it is not refused and sent to a fallback). Each node's JSON log lines
+are read as they come; a status line shows every node's version, and the run
+ends when the trainer has published ``run.steps`` versions and every other node
+holds the last one — or on Ctrl-C / SIGTERM. Nodes are stopped children first
+(SIGTERM, then SIGKILL after a grace period), each by its process group.
+A node that exits on its own is an error that names the node and its last log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from aurora.config.plan import Tree, plan
+from aurora.config.topology import Topology, load_topology
+from aurora.errors import AuroraError
+
+ATTACH_TIMEOUT_S = 180.0  # a clean checkout compiles the codec kernels on first use
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class NodeStatus:
+    name: str
+    role: str
+    version: int | None = None
+    parent: str | None = None
+    last: str = ""
+    published: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+class Cluster:
+    def __init__(self, path: Path, topo: Topology, tree: Tree) -> None:
+        self.path = path
+        self.topo = topo
+        self.tree = tree
+        self.status = {n.name: NodeStatus(n.name, n.role) for n in topo.nodes}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def order(self) -> list[str]:
+        """Parents before children (breadth-first from the trainer)."""
+        out, frontier = [], [self.topo.trainer.name]
+        while frontier:
+            out += frontier
+            frontier = [c for p in frontier for c in self.tree.children(p)]
+        return out
+
+    def start(self, name: str) -> None:
+        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
+                "--name", name]  # fmt: skip
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.procs[name] = p
+        assert p.stderr is not None
+        threading.Thread(target=self._read, args=(name, p.stderr), daemon=True).start()
+
+    def _read(self, name: str, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").strip()
+            try:
+                e: dict[str, Any] = json.loads(line)
+            except ValueError:
+                e = {"event": line}
+            with self._lock:
+                st = self.status[name]
+                st.last = line[:300]
+                ev = e.get("event")
+                if ev in ("version_committed", "version_published"):
+                    st.version = int(e["version"])
+                    st.published += ev == "version_published"
+                elif ev == "parent_attached":
+                    st.parent = str(e.get("parent"))
+                elif ev in ("parent_lost", "child_refused", "peer_lost"):
+                    st.events.append(str(ev))
+
+    def died(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                return f"node {name!r} exited with code {p.returncode}; its last log line: {self.status[name].last}"
+        return None
+
+    def wait_attached(self, name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.status[name].parent is None:
+            if (why := self.died()) is not None:
+                raise AuroraError(why)
+            if time.monotonic() > deadline:
+                raise AuroraError(f"node {name!r} did not attach to its parent within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def done(self) -> bool:
+        trainer = self.status[self.topo.trainer.name]
+        if trainer.version is None or trainer.version < self.topo.run.steps:
+            return False
+        return all(s.version == trainer.version for s in self.status.values())
+
+    def line(self) -> str:
+        with self._lock:
+            parts = [f"{s.name} v{'-' if s.version is None else s.version}" for s in self.status.values()]
+        return " | ".join(parts)
+
+    def stop(self) -> None:
+        """Children first: reverse start order, SIGTERM then SIGKILL after the grace period."""
+        for name in reversed(self.order()):
+            p = self.procs.get(name)
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def run(path: Path, *, progress: Callable[[str], None] = print, interval_s: float = 1.0) -> dict[str, NodeStatus]:
+    topo = load_topology(path)
+    tree = plan(topo, str(path))
+    cluster = Cluster(path, topo, tree)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        progress(f"starting {len(topo.nodes)} nodes of {topo.name!r} (parents first)")
+        for name in cluster.order():
+            parent = tree.parent[name]
+            if parent is not None and topo.node(parent).role != "trainer":
+                cluster.wait_attached(parent, ATTACH_TIMEOUT_S)
+            cluster.start(name)
+        last = 0.0
+        while not stopping and not cluster.done():
+            if (why := cluster.died()) is not None:
+                raise AuroraError(why)
+            if time.monotonic() - last >= interval_s:
+                progress(cluster.line())
+                last = time.monotonic()
+            time.sleep(0.05)
+        progress(cluster.line())
+        progress("stopping (children first)" if stopping else f"done: every node holds version {topo.run.steps}")
+    except KeyboardInterrupt:
+        progress("interrupted: stopping (children first)")
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGTERM, old)
+    return cluster.status
