@@ -23,13 +23,16 @@ def test_webrtc_connects_across_namespaces_and_delivers_a_striped_payload() -> N
         a, b = wan.host("a"), wan.host("b")
         link = wan.link(a, b)  # a plain veth pair: the addresses exist only inside these namespaces
         sink = b.popen([*PEER, "sink", "--kind", "webrtc", "--streams", "2", "--bind", link.addr_b],
-                       stdout=subprocess.PIPE)  # fmt: skip
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         assert sink.stdout is not None
         addr = json.loads(sink.stdout.readline())["address"]
         assert link.addr_b in addr
         r = a.run([*PEER, "source", "--kind", "webrtc", "--streams", "2", "--bytes", str(3 << 20), "--connect", addr],
                   timeout_s=120)  # fmt: skip
-        assert r.returncode == 0, r.stderr
+        if r.returncode != 0:
+            sink.kill()
+            assert sink.stderr is not None
+            raise AssertionError(f"source: {r.stderr}\nsink: {sink.stderr.read().decode()[-3000:]}")
         assert json.loads(r.stdout.splitlines()[-1])["bytes"] == 3 << 20
         assert json.loads(sink.stdout.readline()) == {"ok": True, "bytes": 3 << 20}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ from aurora.transport.zmq import LinkConfig, ZmqChannel, ZmqClient, ZmqServer
 ZMQ_CFG = LinkConfig(window=16, heartbeat_s=0.5, suspect_after_s=3.0, lost_after_s=10.0)
 RTC_KW: dict[str, Any] = {"window": 16, "heartbeat_s": 0.5, "suspect_after_s": 3.0, "lost_after_s": 15.0}
 TCP_CHUNK_BYTES = 1 << 20
+SINK_LINGER_S = 10.0
 
 
 def _say(obj: dict[str, Any]) -> None:
@@ -103,12 +105,22 @@ async def zmq_sink(host: str, streams: int, webrtc: bool, rtc_kw: dict[str, Any]
             chans = [await server.accept() for _ in range(streams)]
         data = await receive_bulk(sorted(chans, key=lambda c: c.peer))
         _say({"ok": True, "bytes": data.nbytes})
-        await asyncio.sleep(0.5)  # let the confirmation leave before the sockets go
+        # The source closes once it has the confirmation; closing first could cut it off.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SINK_LINGER_S):
+                for c in chans:
+                    await _until_closed(c)
         for c in chans:
             await c.close("transfer done")
         if webrtc:
             pump.cancel()
         await server.close()
+
+
+async def _until_closed(ch: Channel) -> None:
+    with contextlib.suppress(TransportClosed):
+        while True:
+            await ch.recv()
 
 
 async def _pump(sig: ZmqChannel, rtc: Any) -> None:
