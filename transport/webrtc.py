@@ -38,7 +38,6 @@ import contextlib
 import itertools
 import secrets
 import struct
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +53,14 @@ from aiortc import (
 )
 from aiortc import rtcsctptransport as _sctp
 from aiortc.sdp import SessionDescription
-from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Channel, Message, check_timings
+from aurora.transport.base import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_WINDOW,
+    Channel,
+    Message,
+    check_timings,
+    new_incarnation,
+)
 from aurora.transport.channel import ChannelBase
 
 from aurora.errors import ProtocolError, TransportClosed
@@ -177,7 +183,7 @@ class WebRtcChannel(ChannelBase):
         self._assembly = bytearray()
         self._room_ev = asyncio.Event()
         self._room_ev.set()
-        self.live = PeerLiveness(node_id, incarnation=time.time_ns() // 1000, interval_s=cfg.heartbeat_s,
+        self.live = PeerLiveness(node_id, incarnation=new_incarnation(), interval_s=cfg.heartbeat_s,
                                  jitter=0.1, suspect_after_s=cfg.suspect_after_s, lost_after_s=cfg.lost_after_s)  # fmt: skip
         dc.bufferedAmountLowThreshold = cfg.buffered_low_bytes
         dc.on("message", self._on_piece)

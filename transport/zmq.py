@@ -6,9 +6,9 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
 * frames: ``[header(msgpack), *buffers]`` (the ROUTER adds the peer identity in
   front); header ``k`` is ``d`` data, ``c`` flow-control credit, ``hb``
   heartbeat, ``x`` close. Buffers go out with ``copy=False``.
-* flow control: a sender spends one credit per message and waits at zero; the
-  receiver returns credit as the application reads, so each channel buffers
-  at most ``window`` messages; a peer that overruns the window is cut off.
+* flow control: `ChannelBase`'s cumulative credit window; the read total goes
+  in ``c`` frames and rides on every heartbeat; a peer that overruns the
+  window is cut off.
 * liveness: `PeerLiveness` drives heartbeats both ways; a silent peer closes
   its channel ("peer lost"); a peer that comes back with a new incarnation
   gets a fresh channel (the old one closes with "peer restarted"), which
@@ -25,7 +25,6 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ import msgpack
 import structlog
 import zmq
 import zmq.asyncio
-from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings
+from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings, new_incarnation
 from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -70,11 +69,6 @@ class LinkConfig:
 
     def __post_init__(self) -> None:
         check_timings(self.heartbeat_s, self.suspect_after_s, self.lost_after_s)
-
-
-def _incarnation() -> int:
-    """A number that grows across restarts of a process: microseconds of wall-clock time."""
-    return time.time_ns() // 1000
 
 
 def _pack(h: Mapping[str, Any]) -> bytes:
@@ -275,7 +269,7 @@ class ZmqServer(_Endpoint):
 
     def __init__(self, node_id: str, bind: str = "tcp://127.0.0.1:0", *, cfg: LinkConfig | None = None,
                  curve: CurveKeys | None = None, allowed_clients: set[bytes] | None = None) -> None:  # fmt: skip
-        super().__init__(node_id, cfg or LinkConfig(), _incarnation())
+        super().__init__(node_id, cfg or LinkConfig(), new_incarnation())
         self.bind_addr = bind
         self.curve = curve
         self.allowed_clients = allowed_clients
@@ -344,7 +338,7 @@ class ZmqClient(_Endpoint):
                  curve: CurveKeys | None = None, server_key: bytes | None = None, incarnation: int | None = None) -> None:  # fmt: skip
         if (curve is None) != (server_key is None):
             raise ValueError("CurveZMQ needs both the client's keys and the server's public key")
-        super().__init__(node_id, cfg or LinkConfig(), _incarnation() if incarnation is None else incarnation)
+        super().__init__(node_id, cfg or LinkConfig(), new_incarnation() if incarnation is None else incarnation)
         self.connect_addr = connect
         self.server_id = server_id
         self.curve = curve

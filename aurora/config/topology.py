@@ -26,6 +26,7 @@ import yaml
 
 from aurora.config.strict import convert
 from aurora.errors import ConfigError
+from aurora.protocol.liveness import timing_problem
 
 Role = Literal["trainer", "relay", "rollout"]
 AUTO = "auto"
@@ -115,8 +116,9 @@ class HeartbeatSpec:
     lost_after_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.interval_s * 1.1 < self.suspect_after_s < self.lost_after_s:
-            raise ConfigError("need interval_s*1.1 < suspect_after_s < lost_after_s")
+        problem = timing_problem(self.interval_s, self.suspect_after_s, self.lost_after_s)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -78,6 +78,20 @@ class _Peer:
     state: PeerState = PeerState.ALIVE
 
 
+DEFAULT_JITTER = 0.1
+"""Heartbeat intervals are jittered by up to this fraction (spreads peers' beats apart)."""
+
+
+def timing_problem(interval_s: float, suspect_after_s: float, lost_after_s: float,
+                   jitter: float = DEFAULT_JITTER) -> str | None:  # fmt: skip
+    """Why these liveness timings cannot work (a beat must arrive well inside the
+    suspicion bound), or None. Every config that carries timings checks with this."""
+    if not 0 < interval_s * (1 + jitter) < suspect_after_s < lost_after_s:
+        return (f"need interval_s*(1+jitter) < suspect_after_s < lost_after_s, got interval_s={interval_s}, "
+                f"jitter={jitter}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}")  # fmt: skip
+    return None
+
+
 class PeerLiveness:
     def __init__(
         self,
@@ -85,15 +99,16 @@ class PeerLiveness:
         *,
         incarnation: int = 0,
         interval_s: float = 1.0,
-        jitter: float = 0.1,
+        jitter: float = DEFAULT_JITTER,
         suspect_after_s: float = 3.0,
         lost_after_s: float = 6.0,
         seed: int = 0,
     ) -> None:
         if not 0 <= jitter < 1:
             raise ValueError("jitter must be in [0, 1)")
-        if not 0 < interval_s * (1 + jitter) < suspect_after_s < lost_after_s:
-            raise ValueError("need interval_s*(1+jitter) < suspect_after_s < lost_after_s")
+        problem = timing_problem(interval_s, suspect_after_s, lost_after_s, jitter)
+        if problem is not None:
+            raise ValueError(problem)
         self.me = me
         self.incarnation = incarnation
         self.interval_s = interval_s
