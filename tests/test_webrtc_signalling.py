@@ -33,12 +33,6 @@ async def _rendezvous(legs: dict[str, MemoryChannel], rewrite: Callable[[dict[st
             tg.create_task(serve(name, ch))
 
 
-async def _pump(ch: MemoryChannel, rtc: WebRtcTransport) -> None:
-    with contextlib.suppress(TransportClosed):
-        while True:
-            rtc.on_signal((await ch.recv()).header, ch)
-
-
 async def _through_rendezvous(rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[Any, list[str]]:
     with loopback_ice():
         async with asyncio.TaskGroup() as tg:
@@ -49,8 +43,8 @@ async def _through_rendezvous(rewrite: Callable[[dict[str, Any]], dict[str, Any]
             b_up, relay_b = memory_channel_pair("rollout-b", "relay")
             chans = [a_up, relay_a, b_up, relay_b]
             tg.create_task(_rendezvous({"rollout-a": relay_a, "rollout-b": relay_b}, rewrite))
-            tg.create_task(_pump(a_up, a))
-            tg.create_task(_pump(b_up, b))
+            tg.create_task(a.serve_signalling(a_up))
+            tg.create_task(b.serve_signalling(b_up))
             a.use_rendezvous("relay", a_up)
             try:
                 result: Any = await a.connect("rollout-b", "relay")

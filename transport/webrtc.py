@@ -394,6 +394,14 @@ class WebRtcTransport:
             if p is not None and not p.answer.done() and header.get("from") == p.peer:
                 p.answer.set_result(header)
 
+    async def serve_signalling(self, via: Channel) -> None:
+        """The receive loop of a channel that carries only signalling: every message goes to
+        `on_signal` until ``via`` closes. (A channel that carries other traffic too calls
+        `on_signal` from its own loop.)"""
+        with contextlib.suppress(TransportClosed):
+            while True:
+                self.on_signal((await via.recv()).header, via)
+
     def _check_fingerprint(self, peer: str, h: Mapping[str, Any]) -> None:
         announced = {str(f) for f in h.get("fingerprint", [])}
         in_sdp = sdp_fingerprints(str(h.get("sdp", "")))

@@ -32,7 +32,7 @@ from aurora.errors import AuroraError, TransportClosed
 from aurora.logs import configure
 from aurora.transport.base import Channel
 from aurora.transport.bulk import receive_bulk, send_bulk
-from aurora.transport.zmq import LinkConfig, ZmqChannel, ZmqClient, ZmqServer
+from aurora.transport.zmq import LinkConfig, ZmqClient, ZmqServer
 
 ZMQ_CFG = LinkConfig(window=16, heartbeat_s=0.5, suspect_after_s=3.0, lost_after_s=10.0)
 RTC_KW: dict[str, Any] = {"window": 16, "heartbeat_s": 0.5, "suspect_after_s": 3.0, "lost_after_s": 15.0}
@@ -99,7 +99,7 @@ async def zmq_sink(host: str, streams: int, webrtc: bool, rtc_kw: dict[str, Any]
             rtc = WebRtcTransport("sink", RtcConfig(**rtc_kw))
             rtc.start_in(tg)
             sig = await server.accept()
-            pump = tg.create_task(_pump(sig, rtc))
+            pump = tg.create_task(rtc.serve_signalling(sig))
             chans = [await rtc.accept() for _ in range(streams)]
         else:
             chans = [await server.accept() for _ in range(streams)]
@@ -123,12 +123,6 @@ async def _until_closed(ch: Channel) -> None:
             await ch.recv()
 
 
-async def _pump(sig: ZmqChannel, rtc: Any) -> None:
-    while True:
-        m = await sig.recv()
-        rtc.on_signal(m.header, sig)
-
-
 async def zmq_source(addr: str, payload: bytes, streams: int, webrtc: bool, rtc_kw: dict[str, Any]) -> float:
     async with asyncio.TaskGroup() as tg:
         clients: list[ZmqClient] = []
@@ -140,7 +134,7 @@ async def zmq_source(addr: str, payload: bytes, streams: int, webrtc: bool, rtc_
             sig = await client.start_in(tg)
             rtc = WebRtcTransport("source", RtcConfig(**rtc_kw))
             rtc.start_in(tg)
-            pump = tg.create_task(_pump(sig, rtc))
+            pump = tg.create_task(rtc.serve_signalling(sig))
             chans: list[Channel] = [await rtc.connect_via("sink", sig) for _ in range(streams)]
         else:
             clients = [ZmqClient(f"source.{i:03d}", addr, "sink", cfg=ZMQ_CFG) for i in range(streams)]

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 from aioice import ice
 
-from aurora.errors import TransportClosed
 from aurora.testing.memory import MemoryChannel, memory_channel_pair
 from aurora.transport.webrtc import WebRtcChannel, WebRtcTransport
 
@@ -31,14 +30,6 @@ def loopback_ice() -> Iterator[None]:
         ice.get_host_addresses = original
 
 
-async def pump_signals(sig: MemoryChannel, rtc: WebRtcTransport) -> None:
-    """A minimal receive loop: hand every signalling message to ``rtc`` until ``sig`` closes."""
-    with contextlib.suppress(TransportClosed):
-        while True:
-            m = await sig.recv()
-            rtc.on_signal(m.header, sig)
-
-
 class RtcPairs:
     """Connects `WebRtcTransport` ends over in-memory signalling channels, and ends those
     channels (and their receive loops) on `close`. Use inside `loopback_ice`."""
@@ -51,8 +42,8 @@ class RtcPairs:
         """``a`` dials ``b``; returns (a's end, b's end)."""
         sa, sb = memory_channel_pair(a.node_id, b.node_id)
         self.signalling += [sa, sb]
-        self.tg.create_task(pump_signals(sa, a))
-        self.tg.create_task(pump_signals(sb, b))
+        self.tg.create_task(a.serve_signalling(sa))
+        self.tg.create_task(b.serve_signalling(sb))
         ca = await a.connect_via(b.node_id, sa)
         cb = await asyncio.wait_for(b.accept(), 10)
         return ca, cb
