@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,8 +38,6 @@ class NodeStatus:
     version: int | None = None
     parent: str | None = None
     last: str = ""
-    published: int = 0
-    events: list[str] = field(default_factory=list)
 
 
 class Cluster:
@@ -80,11 +78,8 @@ class Cluster:
                 ev = e.get("event")
                 if ev in ("version_committed", "version_published"):
                     st.version = int(e["version"])
-                    st.published += ev == "version_published"
                 elif ev == "parent_attached":
                     st.parent = str(e.get("parent"))
-                elif ev in ("parent_lost", "child_refused", "peer_lost"):
-                    st.events.append(str(ev))
 
     def died(self) -> str | None:
         for name, p in self.procs.items():

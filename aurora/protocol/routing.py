@@ -115,11 +115,7 @@ class VersionRouter:
         if self.latest is not None and version <= self.latest:
             return
         self.latest = version
-        if self.inflight is not None and self.inflight.target != version:
-            self.inflight = None  # jumped past it (a catch-up): that stream is moot
-        if self.inflight is not None and self.inflight.target == version:
-            self.inflight = None
-        self.arrived = set()
+        self.inflight, self.arrived = None, set()  # it committed, or a catch-up jumped past it
         for name in sorted(self.children):
             self._update(name)
 
