@@ -19,8 +19,6 @@ skipped with the reason printed.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -29,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aurora.errors import AuroraError
-from aurora.testing.wan import Host, Wan, unavailable_reason
+from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
 
 LOOP_REPEATS = 3
 LINK_MBIT = 100.0
@@ -74,12 +72,7 @@ def _pair(kind: str, streams: int, nbytes: int, *, sink_host: Host | None = None
             raise AuroraError(f"{kind} x{streams}: the sink did not confirm the payload: {_err(sink)}")
         return result
     finally:
-        if sink.poll() is None:
-            os.killpg(sink.pid, signal.SIGKILL)
-        sink.wait()
-        for s in (sink.stdout, sink.stderr):
-            if s is not None:
-                s.close()
+        end_process_group(sink)
 
 
 def _err(p: subprocess.Popen[bytes]) -> str:
@@ -110,7 +103,7 @@ def run(*, loop_mib: int = 256, wan_mib: int = 16, streams: int = 4, rtc_streams
     rows += [_row("loopback", "ZeroMQ", best["zmq", n]) for n in (1, streams)]
     for r in rows:
         r.vs_tcp = r.mb_s / tcp.mb_s
-    reason = unavailable_reason() if wan else "skipped (--no-wan)"
+    reason = unavailable_reason() if wan else "--no-wan given"
     if reason is None:
         for loss in losses:
             rows += _wan_rows(loss, wan_mib, streams, rtc_streams, progress)

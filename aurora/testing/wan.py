@@ -189,7 +189,7 @@ class Wan:
 
     def close(self) -> None:
         for p in [*self._procs, *self._delaylines]:
-            _kill_group(p)
+            end_process_group(p)
         self._procs.clear()
         self._delaylines.clear()
         for h in self.hosts.values():
@@ -215,7 +215,8 @@ def _readline(p: subprocess.Popen[bytes], timeout_s: float) -> bytes:
     return p.stdout.readline()
 
 
-def _kill_group(p: subprocess.Popen[bytes]) -> None:
+def end_process_group(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group ``p`` leads (if it still runs), reap it, close its pipes."""
     if p.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
@@ -225,4 +226,4 @@ def _kill_group(p: subprocess.Popen[bytes]) -> None:
             s.close()
 
 
-__all__ = ["Host", "Link", "Wan", "WanUnavailable", "unavailable_reason"]
+__all__ = ["Host", "Link", "Wan", "WanUnavailable", "end_process_group", "unavailable_reason"]
