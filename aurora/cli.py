@@ -312,14 +312,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await run_node(topo, tree, args.name, stop, file=str(args.topology))
 
-    failed: AuroraError | None = None
-    try:
-        asyncio.run(main())
-    except* AuroraError as eg:  # raised inside the node's task group
-        first = eg.exceptions[0]
-        failed = first if isinstance(first, AuroraError) else AuroraError(str(first))
-    if failed is not None:
-        raise failed
+    asyncio.run(main())
     return 0
 
 
@@ -366,6 +359,11 @@ COMMANDS = {
 }
 
 
+def _first_error(eg: BaseExceptionGroup[AuroraError]) -> AuroraError:
+    first = eg.exceptions[0]
+    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -374,7 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     sub = getattr(args, f"{args.cmd}_cmd", None)
     try:
-        return COMMANDS[(args.cmd, sub)](args)
+        try:
+            return COMMANDS[(args.cmd, sub)](args)
+        except* AuroraError as eg:  # also from inside a task group: report the first one
+            raise _first_error(eg) from None
     except AuroraError as e:
         print(f"aurora: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
