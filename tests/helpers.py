@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import torch
 
@@ -35,3 +37,15 @@ def perturb(w: Weights, density: float, seed: int) -> Weights:
                 bits[m] = bits[m] ^ (bits.dtype.type(1) << bits.dtype.type(width - 1))
     out.forget_digests()
     return out
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` loopback ports free a moment ago, for topology files that must name addresses
+    (a node binds its own; another process could take one in between, which is rare)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,21 +17,13 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import free_ports
+
 STEPS = 30
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _topology(path: Path) -> Path:
-    p = _free_ports(3)
+    p = free_ports(3)
     path.write_text(f"""
 name: kill-test
 regions: [{{name: local}}]

@@ -7,14 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import free_ports
+
 
 def test_aurora_run_brings_every_node_to_the_last_version_and_stops(tmp_path: Path) -> None:
-    socks = [socket.socket() for _ in range(2)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    p = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    p = free_ports(2)
     topo = tmp_path / "t.yaml"
     topo.write_text(f"""
 name: run-test
