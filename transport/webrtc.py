@@ -129,29 +129,27 @@ def _pack(h: Mapping[str, Any]) -> bytes:
     return msgpack.packb(h, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def encode_pieces(envelope: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...],
-                  piece_bytes: int = PIECE_BYTES) -> list[bytes]:  # fmt: skip
-    """Split one message into data-channel pieces (see the module docstring)."""
+def encode_pieces(envelope: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...], *,
+                  last_flags: int = 0, piece_bytes: int = PIECE_BYTES) -> list[bytes]:  # fmt: skip
+    """Split one message into data-channel pieces (see the module docstring): every piece
+    but the last is flagged ``MORE``; the last carries ``last_flags`` (``CONTROL`` for a
+    control message, which always fits one piece)."""
     head = _pack(envelope)
     parts: list[memoryview] = [memoryview(struct.pack("<I", len(head)) + head)]
     parts += [memoryview(b).cast("B") for b in buffers]
-    pieces: list[bytes] = []
-    cur: list[memoryview] = []
+    groups: list[list[memoryview]] = [[]]
     room = piece_bytes
     for p in parts:
         while p.nbytes:
+            if room == 0:
+                groups.append([])
+                room = piece_bytes
             take = p[:room]
-            cur.append(take)
+            groups[-1].append(take)
             room -= take.nbytes
             p = p[take.nbytes :]
-            if room == 0:
-                pieces.append(b"".join([bytes([MORE]), *cur]))
-                cur, room = [], piece_bytes
-    if cur or not pieces:
-        pieces.append(b"".join([b"\x00", *cur]))
-    else:  # the last full piece ends the message
-        pieces[-1] = b"\x00" + pieces[-1][1:]
-    return pieces
+    last = len(groups) - 1
+    return [b"".join([bytes([last_flags if i == last else MORE]), *g]) for i, g in enumerate(groups)]
 
 
 def decode_message(data: bytes | bytearray) -> tuple[dict[str, Any], list[memoryview]]:
@@ -240,7 +238,8 @@ class WebRtcChannel(ChannelBase):
 
     def _control(self, envelope: Mapping[str, Any]) -> None:
         if self.dc.readyState == "open":
-            self.dc.send(bytes([CONTROL]) + b"".join(encode_pieces(envelope, ()))[1:])
+            (piece,) = encode_pieces(envelope, (), last_flags=CONTROL)
+            self.dc.send(piece)
 
     def _report_read(self, total: int) -> None:
         self._control({"k": "c", "n": total})
