@@ -53,7 +53,6 @@ class _Stored:
 class _Incoming:
     manifest: Manifest
     receiver: DeltaReceiver
-    n: int
     streamed: bool
     """Routed to children chunk by chunk (a delta on the latest version, not a snapshot)."""
 
@@ -94,7 +93,7 @@ class VersionFlow:
             raise ProtocolError("publish needs a current version to diff against", remote=False)
         target = self.version + 1
         m, chunks = encode_stream(self.weights, new, base_version=self.version, target_version=target)
-        n = DeltaReceiver(m).expected
+        n = m.n_chunks
         stored = _Stored(pack_manifest(m), [None] * n)
         self._remember(target, stored)
         self.router.delta_started(DeltaInfo(self.version, target, n))
@@ -130,14 +129,14 @@ class VersionFlow:
                                 f"this node holds {self.version}", remote=True)  # fmt: skip
         rx = DeltaReceiver(m)
         streamed = not m.is_snapshot and self.version is not None and m.target_version == self.version + 1
-        self._incoming = _Incoming(m, rx, rx.expected, streamed)
+        self._incoming = _Incoming(m, rx, streamed)
         if streamed:
-            self._remember(m.target_version, _Stored(packed, [None] * rx.expected))
-            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, rx.expected))
+            self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks))
+            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks))
 
     async def _chunk(self, target: int, i: int, data: bytes) -> int | None:
         inc = self._incoming
-        if inc is None or inc.manifest.target_version != target or not 0 <= i < inc.n:
+        if inc is None or inc.manifest.target_version != target or not 0 <= i < inc.manifest.n_chunks:
             raise ProtocolError(f"{self.name}: chunk {i} of version {target} was not announced", remote=True)
         inc.receiver.add(data)  # verified here; a bad chunk raises and nothing changes
         if inc.streamed:
