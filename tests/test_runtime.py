@@ -242,3 +242,57 @@ async def test_backoff_runs_on_the_supervisors_clock() -> None:
     await _settle(lambda: sup.ref("a").alive)
     sup.stop()
     await task
+
+
+class Looper(Actor):
+    """An actor with a `main` body: counts ticks, crashes on request, answers asks meanwhile."""
+
+    def __init__(self, crash_after: int | None = None, finish_after: int | None = None) -> None:
+        self.ticks = 0
+        self.crash_after = crash_after
+        self.finish_after = finish_after
+
+    async def main(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.ticks += 1
+            if self.crash_after is not None and self.ticks >= self.crash_after:
+                raise RuntimeError("main crashed on purpose")
+            if self.finish_after is not None and self.ticks >= self.finish_after:
+                EVENTS.append("main finished")
+                return
+
+    async def receive(self, msg: Any) -> Any:
+        return self.ticks
+
+    async def on_stop(self) -> None:
+        EVENTS.append("looper stopped")
+
+
+async def test_main_runs_beside_the_mailbox_and_a_crash_in_it_restarts_the_actor() -> None:
+    made: list[Looper] = []
+
+    def make() -> Looper:
+        made.append(Looper(crash_after=5 if not made else None))
+        return made[-1]
+
+    sup = Supervisor("root", [ChildSpec("loop", actor=make)], max_restarts=3, within_s=10)
+    task = await _running(sup)
+    await _settle(lambda: len(made) == 2)
+    ref = sup.ref("loop")
+    await _settle(lambda: made[1].ticks >= 3)
+    assert await ref.ask("ticks") >= 3  # the mailbox is served while main runs
+    assert sup.restarts == 1
+    sup.stop()
+    await task
+    assert made[1].ticks < 1000 and EVENTS.count("looper stopped") == 2  # stop cancelled main, on_stop ran
+
+
+async def test_main_returning_ends_a_transient_actor_normally() -> None:
+    sup = Supervisor("root", [ChildSpec("loop", actor=lambda: Looper(finish_after=3), restart="transient")])
+    task = await _running(sup)
+    await _settle(lambda: "looper stopped" in EVENTS)
+    assert EVENTS == ["main finished", "looper stopped"] and sup.restarts == 0
+    assert not sup.ref("loop").alive
+    sup.stop()
+    await task

@@ -16,6 +16,9 @@ Rules:
   supervisor sees; `on_stop` runs on every exit, normal or not.
 * A cell is *ready* only when `on_start` has returned; a start error is raised
   to whoever started it.
+* An actor that overrides `main` runs it beside its message loop: an actor that
+  owns a connection or a work loop. `main` raising crashes the actor; `main`
+  returning ends it normally; a stop request (or a crash) cancels `main`.
 """
 
 from __future__ import annotations
@@ -116,6 +119,9 @@ class Actor:
     async def receive(self, msg: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not handle {type(msg).__name__}")
 
+    async def main(self) -> None:
+        """Optional body that runs beside the message loop (see the module docstring)."""
+
     async def on_failure(self, exc: BaseException) -> None:
         """Runs when `receive` raised, before the crash is reported."""
 
@@ -165,22 +171,10 @@ class ActorCell:
                     self.ready.set_exception(e)
                 raise
             self.ready.set_result(None)
-            while True:
-                env = await self.mailbox.get()
-                if isinstance(env, _Stop):
-                    return
-                self.room.give()
-                self.current = env
-                try:
-                    result = await a.receive(env.msg)
-                except Exception as e:
-                    if env.reply is not None and not env.reply.done():
-                        env.reply.set_exception(e)
-                    await a.on_failure(e)
-                    raise
-                if env.reply is not None and not env.reply.done():
-                    env.reply.set_result(result)
-                self.current = None
+            if type(a).main is Actor.main:
+                await self._loop()
+            else:
+                await self._loop_and_main()
         finally:
             self.closed = True
             self.room.close()
@@ -189,6 +183,39 @@ class ActorCell:
                 self.ready.exception()  # retrieved: nobody may be waiting
             self._fail_pending()
             await a.on_stop()
+
+    async def _loop_and_main(self) -> None:
+        """The message loop and `Actor.main` together; the first to end ends both (its error wins)."""
+        tasks = [asyncio.ensure_future(self._loop()), asyncio.ensure_future(self.actor.main())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for t in done:
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                raise exc
+
+    async def _loop(self) -> None:
+        a = self.actor
+        while True:
+            env = await self.mailbox.get()
+            if isinstance(env, _Stop):
+                return
+            self.room.give()
+            self.current = env
+            try:
+                result = await a.receive(env.msg)
+            except Exception as e:
+                if env.reply is not None and not env.reply.done():
+                    env.reply.set_exception(e)
+                await a.on_failure(e)
+                raise
+            if env.reply is not None and not env.reply.done():
+                env.reply.set_result(result)
+            self.current = None
 
     def _fail_pending(self) -> None:
         cur = self.current
