@@ -19,13 +19,17 @@ Wire messages (headers; buffers carry the bytes):
 Invariants: a node applies a delta only onto the version it was made from (or
 a snapshot onto anything), so versions only move forward, one verified
 commit at a time; a chunk that fails verification raises `DeltaFormatError`
-and changes nothing.
+and changes nothing. The weights change only under `weights_lock`, so a
+reader holding it (a rollout engine copying them) sees one whole version.
+On the trainer, `publish`'s ``persist`` hook runs before the version's last
+chunk leaves, so no child can commit a version the trainer has not stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -41,6 +45,8 @@ from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, 
 log = structlog.get_logger("aurora.actors.flow")
 
 DEFAULT_KEEP_VERSIONS = 8
+
+Persist = Callable[[Manifest, list[bytes]], Awaitable[None]]
 
 
 @dataclass
@@ -63,13 +69,16 @@ class VersionFlow:
         self.name = name
         self.weights = weights
         self.version = version
+        self.digest: bytes | None = weights.digest() if weights is not None else None
+        self.changed: OrderedDict[int, frozenset[str] | None] = OrderedDict()
+        """Per committed version, the tensors its delta touched (None: a snapshot, everything)."""
         self.keep_versions = keep_versions
         self.router = VersionRouter(version)
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
         self._incoming: _Incoming | None = None
-        self._send_lock = asyncio.Lock()
-        self._weights_lock = asyncio.Lock()  # command batches go out in the order the router made them
+        self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
+        self.weights_lock = asyncio.Lock()
 
     # -- children
     async def add_child(self, ch: Channel, version: int | None) -> None:
@@ -87,8 +96,11 @@ class VersionFlow:
             await self._run(self.router.commands())
 
     # -- the trainer's side
-    async def publish(self, new: Weights) -> int:
-        """Make ``new`` the next version and stream its delta to the children as it is encoded."""
+    async def publish(self, new: Weights, persist: Persist | None = None) -> int:
+        """Make ``new`` the next version and stream its delta to the children as it is encoded.
+
+        ``persist(manifest, chunks)`` (the trainer's store) is awaited once every chunk is
+        encoded and before the last one is routed."""
         if self.weights is None or self.version is None:
             raise ProtocolError("publish needs a current version to diff against", remote=False)
         target = self.version + 1
@@ -102,9 +114,13 @@ class VersionFlow:
             # encoding runs in a thread (the kernels release the GIL) so heartbeats keep flowing
             c = await asyncio.to_thread(next, chunks)
             stored.chunks[i] = c
+            if i == n - 1 and persist is not None:
+                await persist(m, [x for x in stored.chunks if x is not None])
             self.router.chunk_arrived(target, i)
             await self._run(self.router.commands())
-        self.weights, self.version = new, target
+        async with self.weights_lock:
+            self.weights, self.version, self.digest = new, target, m.target_digest
+        self._changed(target, None)
         self.router.version_committed(target)
         await self._run(self.router.commands())
         log.info("version_published", node=self.name, version=target, chunks=n, digest=m.target_digest.hex()[:16])
@@ -147,15 +163,21 @@ class VersionFlow:
         if not inc.receiver.complete:
             return None
         self._incoming = None
-        async with self._weights_lock:  # decode in a thread; no snapshot is read meanwhile
-            if inc.manifest.is_snapshot or self.weights is None:
-                self.weights = await asyncio.to_thread(_commit_snapshot, inc)
-            else:
-                w = self.weights
-                await asyncio.to_thread(lambda: inc.receiver.stage(w).commit(w))
+        touched: frozenset[str] | None = None
+        if inc.manifest.is_snapshot or self.weights is None:
+            fresh = await asyncio.to_thread(_commit_snapshot, inc)
+            async with self.weights_lock:
+                self.weights = fresh
+                self.version, self.digest = target, inc.manifest.target_digest
+        else:
+            w = self.weights
+            staged = await asyncio.to_thread(inc.receiver.stage, w)  # decoding only reads the weights
+            async with self.weights_lock:
+                touched = frozenset(await asyncio.to_thread(staged.commit, w))
+                self.version, self.digest = target, inc.manifest.target_digest
+        self._changed(target, touched)
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
-        self.version = target
         self.router.version_committed(target)
         await self._run(self.router.commands())
         log.info("version_committed", node=self.name, version=target, snapshot=inc.manifest.is_snapshot,
@@ -201,7 +223,7 @@ class VersionFlow:
             return
         if self.weights is None:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
-        async with self._weights_lock:  # label the snapshot with what the weights are now
+        async with self.weights_lock:  # label the snapshot with what the weights are now
             weights, version = self.weights, self.version
             assert version is not None
             snap = await asyncio.to_thread(encode, None, weights, base_version=None, target_version=version)
@@ -210,6 +232,23 @@ class VersionFlow:
         for i, c in enumerate(snap.chunks):
             await ch.send({"k": "delta_chunk", "target": version, "i": i}, c)
         log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
+
+    def touched_since(self, version: int | None) -> frozenset[str] | None:
+        """Tensors changed from ``version`` to the current one; None when not known (then: all)."""
+        if version is None or self.version is None or version > self.version:
+            return None
+        out: set[str] = set()
+        for v in range(version + 1, self.version + 1):
+            t = self.changed.get(v)
+            if t is None:
+                return None
+            out |= t
+        return frozenset(out)
+
+    def _changed(self, version: int, touched: frozenset[str] | None) -> None:
+        self.changed[version] = touched
+        while len(self.changed) > 4 * self.keep_versions:
+            self.changed.popitem(last=False)
 
     def _remember(self, target: int, stored: _Stored) -> None:
         self.history[target] = stored

@@ -1,48 +1,85 @@
-"""One node of a topology as a process: weight versions over ZeroMQ down the planned relay tree.
+"""One node of a topology as a process: a root supervisor over the node's actors.
 
-`run_node` is the composition root for ``aurora node``. What runs today:
+`run_node` is the composition root for ``aurora node``. The node's state —
+its `VersionFlow` (weights and recent deltas), its place in the tree, the
+work routes, the trainer's `WorkPool` and store, a rollout's engine — is made
+here and outlives its actors; the actors run under one `Supervisor`
+(one_for_one), so a crashed actor restarts from that state, and a crash loop
+escalates (`RestartIntensityExceeded`): the node exits non-zero saying which
+actor and why. The actors:
 
-* every node holds a `VersionFlow`; a node with a ``listen`` address serves
-  children (each child's first message is a ``version`` hello);
-* the trainer publishes a version from its learner (`SyntheticLearner` until
-  the RL issue) every ``learner.interval_s`` for ``run.steps`` steps;
-* relays and rollouts dial their planned parent and, when it is lost
-  (heartbeats), unreachable or refuses them, their fallbacks in turn; on
-  attach they say which version they hold and catch up;
-* a parent answers a child's hello with its path from the trainer, or
-  refuses the child while it is itself detached or when the child is its own
-  ancestor; a node whose parent's path comes to run through itself leaves
-  that parent — so failover never closes a cycle.
+* ``children`` (trainer, relays): accepts child connections; each child's
+  first message is a ``version`` hello; then its ``version`` reports go to the
+  flow and its work messages (``want``/``renew``/``result``) to the
+  coordinator (trainer) or up to this node's parent (relay);
+* ``uplink`` (relays, rollouts): dials the planned parent and, when it is lost
+  (heartbeats), unreachable or refuses, the fallbacks in turn; on attach the
+  node says which version it holds and catches up; the parent's stream feeds
+  the flow, its work answers go to the worker or down to the right child;
+* ``coordinator`` and ``publisher`` (trainer): leases prompts and gates results
+  (`aurora.actors.work`); the learner steps every ``learner.interval_s``, or
+  after ``learner.samples_per_step`` accepted results, and each version is
+  stored before its last chunk leaves (a restarted trainer resumes from it);
+* ``worker`` (rollouts with an ``engine`` section): generates, switching the
+  engine's version only between batches.
 
-Not here yet (issue 5 continues): leases and the coordinator, rollout
-engines, WebRTC parents, CurveZMQ keys from the topology, a status channel.
-Logs say what happened: ``version_published``, ``version_committed``,
-``parent_attached``, ``parent_lost``, ``child_attached``.
+A parent answers a child's hello with its path from the trainer, or refuses
+the child while it is itself detached or when the child is its own ancestor;
+a node whose parent's path comes to run through itself leaves that parent —
+so failover never closes a cycle. Logs say what happened:
+``version_published``, ``version_committed``, ``parent_attached``,
+``parent_lost``, ``child_attached``, ``engine_switched``, ``step``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import structlog
 from aurora.actors.flow import VersionFlow
+from aurora.actors.work import (
+    DOWN,
+    UP,
+    Coordinator,
+    Routes,
+    Worker,
+    WorkerStats,
+    WorkPool,
+    arithmetic_prompts,
+    send_or_drop,
+    tell_or_drop,
+)  # fmt: skip
 from aurora.transport.base import Channel
 from aurora.transport.zmq import LinkConfig, ZmqChannel, ZmqTransport
 
+from aurora.codec import Weights
+from aurora.codec.format import Manifest
 from aurora.config.plan import Tree
 from aurora.config.topology import Topology
+from aurora.engine import make_engine
 from aurora.errors import ConfigError, TransportClosed
 from aurora.learner import SyntheticLearner
+from aurora.protocol.leases import LeaseHolder
+from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
+from aurora.store import DeltaStore
 
 log = structlog.get_logger("aurora.node")
 
 RETRY_PAUSE_S = 0.5
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 30.0
 
 
-async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None) -> None:
-    """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its sockets)."""
+async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
+                   store: Path | None = None) -> None:  # fmt: skip
+    """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its sockets).
+
+    ``store``: the trainer's version store (resume from its latest version); None keeps none."""
     try:
         spec = topo.node(name)
     except KeyError:
@@ -50,38 +87,161 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                           file=file) from None  # fmt: skip
     hb = topo.heartbeat
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
-    learner = SyntheticLearner.from_section(topo.learner, file) if spec.role == "trainer" else None
-    flow = VersionFlow(name, learner.initial() if learner else None, 0 if learner else None)
-    zt = ZmqTransport(name, cfg=cfg, bind=spec.listen)
-    place = Place(name, [] if spec.role == "trainer" else None)
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
+    node = _Node(name, topo, file)
+    if spec.role == "trainer":
+        await node.open_trainer(store)
+    elif spec.role == "rollout" and topo.engine:
+        node.engine = await asyncio.to_thread(make_engine, topo.engine, file)
+    zt = ZmqTransport(name, cfg=cfg, bind=spec.listen)
+    parent = tree.parent[name]
+    specs: list[ChildSpec] = []
+    if spec.listen is not None:
+        specs.append(ChildSpec("children", actor=lambda: _Children(node, zt)))
+    if parent is not None:
+        order = [parent, *tree.fallbacks.get(name, ())]
+        specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, order, cfg.lost_after_s)))
+    if node.pool is not None:
+        pool = node.pool
+        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, node.flow, node.down)))
+        specs.append(ChildSpec("publisher", actor=lambda: _Publisher(node), restart="transient"))
+    if node.engine is not None:
+        engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
+        specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
+                                                              holder, stats)))  # fmt: skip
+    sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2)
+    node.sup = sup
     async with asyncio.TaskGroup() as tg:
-        tasks: list[asyncio.Task[None]] = []
         if spec.listen is not None:
             await zt.listen_in(tg)
-            tasks.append(tg.create_task(_serve_children(zt, flow, place, tg)))
         else:
             zt.start_in(tg)
-        parent = tree.parent[name]
-        if parent is not None:
-            order = [parent, *tree.fallbacks.get(name, ())]
-            tasks.append(tg.create_task(_follow_parents(topo, zt, flow, place, order, cfg.lost_after_s)))
-        if learner is not None:
-            tasks.append(tg.create_task(_publish(flow, learner, topo.run.steps)))
-        log.info("node_started", listen=zt.address or None, parent=parent)
-        await stop.wait()
+        sup_task = await sup.start_in(tg)
+        log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs])
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
         log.info("node_stopping")
-        for t in tasks:
-            t.cancel()
-        await zt.close()
+        sup.stop()
+        try:
+            await sup_task  # raises RestartIntensityExceeded if that is why it ended
+        finally:
+            await zt.close()
 
 
-async def _publish(flow: VersionFlow, learner: SyntheticLearner, steps: int) -> None:
-    for _ in range(steps):
-        await asyncio.sleep(learner.spec.interval_s)
-        new = await asyncio.to_thread(learner.step, ())
-        await flow.publish(new)
-    log.info("steps_done", steps=steps, version=flow.version)
+class _Node:
+    """State that outlives the node's actors (see the module docstring)."""
+
+    def __init__(self, name: str, topo: Topology, file: str | None) -> None:
+        self.name = name
+        self.topo = topo
+        self.file = file
+        spec = topo.node(name)
+        self.place = Place(name, [] if spec.role == "trainer" else None)
+        self.flow = VersionFlow(name, None, None)
+        self.routes = Routes()
+        self.pool: WorkPool | None = None
+        self.learner: SyntheticLearner | None = None
+        self.store: DeltaStore | None = None
+        self.engine: Any = None
+        self.worker_stats = WorkerStats()
+        self.sup: Supervisor | None = None
+
+    async def open_trainer(self, store: Path | None) -> None:
+        learner = SyntheticLearner.from_section(self.topo.learner, self.file)
+        self.learner = learner
+        weights, version = learner.initial(), 0
+        if store is not None:
+            self.store = DeltaStore(store)
+            latest = self.store.latest()
+            if latest is None:
+                await asyncio.to_thread(self.store.put_anchor, 0, weights)
+            else:
+                weights = await asyncio.to_thread(self.store.get, latest)
+                version = latest
+                learner.restore(weights, version)
+                log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
+        self.flow = VersionFlow(self.name, weights, version)
+        self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions,
+                             arithmetic_prompts(learner.spec.seed))  # fmt: skip
+
+    def ref(self, actor: str) -> ActorRef | None:
+        assert self.sup is not None
+        try:
+            return self.sup.ref(actor)
+        except KeyError:
+            return None
+
+    async def up(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
+        return await send_or_drop(self.place.parent, header, buffers)
+
+    async def down(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
+        child = self.routes.child_for(str(header["w"]))
+        return await send_or_drop(None if child is None else self.place.children.get(child), header, buffers)
+
+    async def persist(self, m: Manifest, chunks: list[bytes], new: Weights) -> None:
+        store = self.store
+        if store is None:
+            return
+        v = m.target_version
+        if v % store.anchor_every == 0:
+            await asyncio.to_thread(store.put_anchor, v, new)
+        else:
+            await asyncio.to_thread(store.put_delta, m, chunks)
+
+
+class _Publisher(Actor):
+    """The trainer's learner loop: step, then publish (stored before its last chunk leaves)."""
+
+    def __init__(self, node: _Node) -> None:
+        self.node = node
+
+    async def main(self) -> None:
+        node, learner, pool = self.node, self.node.learner, self.node.pool
+        assert learner is not None
+        assert pool is not None
+        steps, per_step = node.topo.run.steps, learner.spec.samples_per_step
+        while (node.flow.version or 0) < steps:
+            if per_step:
+                samples = await pool.take(per_step)
+            else:
+                await asyncio.sleep(learner.spec.interval_s)
+                samples = []
+            new = await asyncio.to_thread(learner.step, samples)
+
+            async def persist(m: Manifest, chunks: list[bytes], new: Weights = new) -> None:
+                await node.persist(m, chunks, new)
+
+            v = await node.flow.publish(new, persist)
+            log.info("step", version=v, samples=len(samples), **pool.stats())
+        log.info("steps_done", steps=steps, version=node.flow.version)
+
+
+class _Children(Actor):
+    """Accepts child connections and serves each in its own task."""
+
+    def __init__(self, node: _Node, zt: ZmqTransport) -> None:
+        self.node = node
+        self.zt = zt
+
+    async def main(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                ch = await self.zt.accept()
+                tg.create_task(_child(self.node, ch))
+
+
+class _Uplink(Actor):
+    """Keeps this node attached to the first parent in its order that accepts it."""
+
+    def __init__(self, node: _Node, zt: ZmqTransport, order: list[str], lost_after_s: float) -> None:
+        self.node = node
+        self.zt = zt
+        self.order = order
+        self.lost_after_s = lost_after_s
+
+    async def main(self) -> None:
+        await _follow_parents(self.node, self.zt, self.order, self.lost_after_s)
 
 
 @dataclass
@@ -95,6 +255,8 @@ class Place:
     name: str
     path: list[str] | None
     children: dict[str, Channel] = field(default_factory=dict)
+    parent: Channel | None = None
+    """The channel to the parent while attached."""
 
     def below(self) -> list[str]:
         assert self.path is not None
@@ -108,13 +270,8 @@ class Place:
                     await ch.send({"k": "path", "path": self.below()})
 
 
-async def _serve_children(zt: ZmqTransport, flow: VersionFlow, place: Place, tg: asyncio.TaskGroup) -> None:
-    while True:
-        ch = await zt.accept()
-        tg.create_task(_child(flow, place, ch))
-
-
-async def _child(flow: VersionFlow, place: Place, ch: ZmqChannel) -> None:
+async def _child(node: _Node, ch: ZmqChannel) -> None:
+    flow, place = node.flow, node.place
     try:
         hello = await ch.recv()
         if hello.header.get("k") != "version":
@@ -131,8 +288,18 @@ async def _child(flow: VersionFlow, place: Place, ch: ZmqChannel) -> None:
         place.children[ch.peer] = ch
         log.info("child_attached", child=ch.peer, version=v)
         await flow.add_child(ch, None if v is None else int(v))
+        coordinator = node.ref("coordinator")
         while True:
-            await flow.on_child_message(ch.peer, await ch.recv())
+            msg = await ch.recv()
+            k = msg.header.get("k")
+            if k == "version":
+                await flow.on_child_message(ch.peer, msg)
+            elif k in UP:
+                node.routes.learn(str(msg.header["w"]), ch.peer)
+                if coordinator is not None:
+                    await tell_or_drop(coordinator, msg)
+                else:
+                    await node.up(msg.header, tuple(msg.buffers))
     except TransportClosed as e:
         log.info("child_detached", child=ch.peer, reason=str(e))
     finally:
@@ -142,13 +309,13 @@ async def _child(flow: VersionFlow, place: Place, ch: ZmqChannel) -> None:
             del place.children[ch.peer]
 
 
-async def _follow_parents(topo: Topology, zt: ZmqTransport, flow: VersionFlow, place: Place, order: list[str],
-                          lost_after_s: float) -> None:  # fmt: skip
+async def _follow_parents(node: _Node, zt: ZmqTransport, order: list[str], lost_after_s: float) -> None:
     """Stay attached to the first parent in ``order`` that accepts, moving on when one is lost."""
+    flow, place = node.flow, node.place
     i = 0
     while True:
         parent = order[i % len(order)]
-        addr = topo.node(parent).listen
+        addr = node.topo.node(parent).listen
         assert addr is not None  # checked when the topology was loaded
         ch = await zt.connect(parent, addr)
         try:
@@ -157,12 +324,15 @@ async def _follow_parents(topo: Topology, zt: ZmqTransport, flow: VersionFlow, p
                 answer = (await ch.recv()).header
             if answer.get("k") == "path" and place.name not in answer.get("path", []):
                 await place.moved(list(answer["path"]))
+                place.parent = ch
                 log.info("parent_attached", parent=parent, version=flow.version, path=place.path)
-                await _from_parent(flow, place, ch)
+                await _from_parent(node, ch)
             else:
                 log.info("parent_refused", parent=parent, reason=answer.get("reason", "a cycle"))
         except (TransportClosed, TimeoutError, _Cycle) as e:
             log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
+        finally:
+            place.parent = None
         await place.moved(None)
         await zt.disconnect(parent)
         i = (i + 1) % len(order)
@@ -173,15 +343,23 @@ class _Cycle(Exception):
     """The parent's new path runs through this node."""
 
 
-async def _from_parent(flow: VersionFlow, place: Place, ch: Channel) -> None:
+async def _from_parent(node: _Node, ch: Channel) -> None:
+    flow, place = node.flow, node.place
+    worker = node.ref("worker")
     while True:
         msg = await ch.recv()
-        if msg.header.get("k") == "path":
+        k = msg.header.get("k")
+        if k == "path":
             path = list(msg.header["path"])
             if place.name in path:
                 raise _Cycle(f"the parent's path {' -> '.join(path)} runs through this node")
             await place.moved(path)
-            continue
-        v = await flow.on_parent_message(msg)
-        if v is not None:
-            await ch.send({"k": "version", "v": v})
+        elif k in DOWN:
+            if worker is not None:
+                await tell_or_drop(worker, msg)
+            else:
+                await node.down(msg.header, tuple(msg.buffers))
+        else:
+            v = await flow.on_parent_message(msg)
+            if v is not None:
+                await ch.send({"k": "version", "v": v})

@@ -101,15 +101,21 @@ def _add_topology(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("node", help="run one node of a topology",
-                       description="Run one node (trainer, relay or rollout) of a topology until SIGINT/SIGTERM. "
-                       "Today a node moves weight versions down the planned relay tree over ZeroMQ: the trainer "
-                       "publishes versions from its learner (learner.kind: synthetic), relays verify and forward "
-                       "each chunk as it arrives, every node re-attaches to its fallback parents when its parent "
-                       "is lost and catches up. Leases, rollout engines and WebRTC parents are not wired yet.")  # fmt: skip
+                       description="Run one node (trainer, relay or rollout) of a topology until SIGINT/SIGTERM, "
+                       "over ZeroMQ. The trainer's learner (learner.kind: synthetic) publishes a version every "
+                       "learner.interval_s, or after learner.samples_per_step accepted rollout results; each "
+                       "version goes down the planned relay tree as a verified delta, relays forwarding each "
+                       "chunk as it arrives. Rollout nodes with an engine section lease prompts from the "
+                       "trainer's coordinator, generate with the engine and send results back up; results "
+                       "outside the staleness bound or their lease are rejected. A node whose parent is lost "
+                       "re-attaches to its fallback parents and catches up. WebRTC parents are not wired yet.")  # fmt: skip
     p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     p.add_argument("--name", required=True, help="this node's name in the topology")
     p.add_argument("--role", choices=["trainer", "relay", "rollout"],
                    help="the node's role; checked against the topology (optional)")  # fmt: skip
+    p.add_argument("--store", type=Path, default=None,
+                   help="trainer only: the version store directory; a restarted trainer resumes from its latest "
+                   "version (default: none, and a restart starts over at version 0)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "trainer has published run.steps versions and every node holds the last one, or on "
                        "Ctrl-C.")  # fmt: skip
     r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
+    r.add_argument("--state", type=Path, default=None,
+                   help="directory for the nodes' state (the trainer's version store); default: a temporary "
+                   "directory removed at the end")  # fmt: skip
     return p
 
 
@@ -310,7 +319,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_node(topo, tree, args.name, stop, file=str(args.topology))
+        await run_node(topo, tree, args.name, stop, file=str(args.topology), store=args.store)
 
     asyncio.run(main())
     return 0
@@ -319,7 +328,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from aurora.run import run
 
-    run(args.topology, progress=lambda m: print(m, flush=True))
+    run(args.topology, progress=lambda m: print(m, flush=True), state=args.state)
     return 0
 
 

@@ -11,11 +11,13 @@ A node that exits on its own is an error that names the node and its last log li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,8 +43,9 @@ class NodeStatus:
 
 
 class Cluster:
-    def __init__(self, path: Path, topo: Topology, tree: Tree) -> None:
+    def __init__(self, path: Path, topo: Topology, tree: Tree, state: Path) -> None:
         self.path = path
+        self.state = state
         self.topo = topo
         self.tree = tree
         self.status = {n.name: NodeStatus(n.name, n.role) for n in topo.nodes}
@@ -60,6 +63,8 @@ class Cluster:
     def start(self, name: str) -> None:
         argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
                 "--name", name]  # fmt: skip
+        if self.topo.node(name).role == "trainer":
+            argv += ["--store", str(self.state / name)]
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self.procs[name] = p
         assert p.stderr is not None
@@ -122,10 +127,18 @@ class Cluster:
                 p.wait()
 
 
-def run(path: Path, *, progress: Callable[[str], None] = print, interval_s: float = 1.0) -> dict[str, NodeStatus]:
+def run(path: Path, *, progress: Callable[[str], None] = print, interval_s: float = 1.0,
+        state: Path | None = None) -> dict[str, NodeStatus]:  # fmt: skip
     topo = load_topology(path)
     tree = plan(topo, str(path))
-    cluster = Cluster(path, topo, tree)
+    with contextlib.ExitStack() as stack:
+        if state is None:
+            state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aurora-run-")))
+        return _run(Cluster(path, topo, tree, state), progress, interval_s)
+
+
+def _run(cluster: Cluster, progress: Callable[[str], None], interval_s: float) -> dict[str, NodeStatus]:
+    topo, tree = cluster.topo, cluster.tree
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

@@ -122,3 +122,20 @@ def test_holder_renews_and_gives_up_by_its_own_clock() -> None:
     assert h.items == []
     assert [e.lease.token for e in h.events()] == [lease.token]
     assert h.take("x") is None
+
+
+def test_a_released_item_is_leased_anew_and_the_old_token_is_fenced() -> None:
+    t = LeaseTable(ttl_s=10)
+    t.add_items(["p"])
+    (a,) = t.grant("w1", 0.0)
+    assert not t.release("w2", "p", a.token, 1.0)  # not the holder
+    assert t.release("w1", "p", a.token, 1.0)
+    assert t.pending == 1
+    assert t.in_flight == 0
+    assert not t.release("w1", "p", a.token, 1.5)  # released once
+    (b,) = t.grant("w2", 2.0)
+    assert b.item == "p"
+    assert b.token > a.token
+    assert not t.complete("w1", "p", a.token, 3.0)
+    assert t.complete("w2", "p", b.token, 3.0)
+    assert t.finished

@@ -125,6 +125,9 @@ class HeartbeatSpec:
 class LeaseSpec:
     ttl_s: float = 30.0
     prompts_per_lease: int = 8
+    """The most prompts one grant gives a worker."""
+    batch_s: float = 2.0
+    """Seconds of work a grant aims at, by the worker's measured rate (a worker not yet measured gets 1)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,8 @@ Invariants (each has a property test in tests/test_protocol_*.py):
   from its holder; a late result from an expired or fenced holder is
   rejected, and an item is accepted at most once (``done``).
 * An expired lease returns its item to the front of the pool; so does every
-  lease of a worker that is dropped (`drop_worker`, on `PeerLost`).
+  lease of a worker that is dropped (`drop_worker`, on `PeerLost`), and a
+  lease whose result the coordinator cannot use (`release`).
 * Work is shared by measured throughput: a grant gives a worker
   ``clamp(ceil(rate * batch_s), floor, max_batch)`` items minus what it holds,
   where ``rate`` is an EMA of its accepted results per second; a worker with no
@@ -179,6 +180,15 @@ class LeaseTable:
         if now >= cur.expires_at:
             return "expired"
         return None
+
+    def release(self, worker: str, item: Item, token: int, now: float) -> bool:
+        """Give ``item`` back (its result is unusable, e.g. too stale): if ``worker`` holds its current
+        lease, the lease ends now and the item returns to the front of the pool, to be leased anew."""
+        self.tick(now)
+        if self._reject_reason(worker, item, token, now) is not None:
+            return False
+        self._expire(item, self._current[item])
+        return True
 
     def tick(self, now: float) -> None:
         """Expire leases whose TTL passed; their items go back to the front of the pool."""

@@ -1,0 +1,331 @@
+"""Work out, results back: the trainer's coordinator and the rollout worker.
+
+Work messages travel the same channels as the weight versions. Upward (from a
+worker towards the trainer; relays forward them to their parent unchanged):
+
+* ``want`` {w, n} — the worker can take up to n prompts;
+* ``renew`` {w, tokens} — keep these leases alive;
+* ``result`` {w, item, token, v} + msgpack completion — generated with version v.
+
+Downward (the coordinator's answers; each relay routes them to the child that
+the worker's messages came from, `Routes`):
+
+* ``grant`` {w, leases: [[item, token, ttl_s, text], ...]};
+* ``renewed`` {w, leases: [[item, token, ttl_s], ...]};
+* ``verdict`` {w, item, ok, reason}.
+
+Invariants (the coordinator, `WorkPool`):
+
+* a result is accepted at most once per prompt, only under its current lease
+  (`LeaseTable`), and only if its version is within ``max_stale`` of the
+  trainer's current version; a too-stale result gives its prompt back to the
+  pool to be generated again with newer weights;
+* a worker that goes silent stops renewing; its leases expire and their
+  prompts go to other workers; its late results are rejected (fenced).
+
+The worker (`Worker`) switches its engine to the newest committed version only
+between batches (`Engine.apply` with the tensors changed since its version), so
+every completion is labelled with the weights that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+import msgpack
+import structlog
+from aurora.actors.flow import VersionFlow
+from aurora.transport.base import Message
+
+from aurora.config.topology import LeaseSpec
+from aurora.engine import Completion, Engine, Prompt, WeightUpdate
+from aurora.errors import ActorDead, TransportClosed
+from aurora.protocol.leases import Lease, LeaseExpired, LeaseHolder, LeaseTable, ResultRejected
+from aurora.runtime import Actor
+
+log = structlog.get_logger("aurora.actors.work")
+
+UP = frozenset({"want", "renew", "result"})
+DOWN = frozenset({"grant", "renewed", "verdict"})
+
+Send = Callable[[Mapping[str, Any], tuple[bytes | memoryview, ...]], Awaitable[bool]]
+"""Send a header and buffers one hop; False when there is nobody to send to right now."""
+
+
+def arithmetic_prompts(seed: int = 0) -> Iterator[Prompt]:
+    """An endless stream of ``a+b=`` prompts (the synthetic task until the RL issue brings tasks)."""
+    rng = random.Random(seed)
+    for i in itertools.count():
+        yield Prompt(i, f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=")
+
+
+# ---------------------------------------------------------------- trainer side
+@dataclass
+class WorkPool:
+    """The coordinator's state: prompts, leases, accepted samples. Outlives actor restarts."""
+
+    leases: LeaseSpec
+    max_stale: int
+    prompts: Iterator[Prompt]
+    table: LeaseTable = field(init=False)
+    open: dict[int, Prompt] = field(default_factory=dict)
+    samples: list[Completion] = field(default_factory=list)
+    accepted: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    _more: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.table = LeaseTable(ttl_s=self.leases.ttl_s, max_batch=self.leases.prompts_per_lease,
+                                batch_s=self.leases.batch_s)  # fmt: skip
+
+    def want(self, worker: str, n: int, now: float) -> list[tuple[Lease, Prompt]]:
+        n = max(0, min(n, self.leases.prompts_per_lease))
+        while self.table.pending < n:  # the pool is endless: top it up on demand
+            p = next(self.prompts)
+            self.open[p.id] = p
+            self.table.add_items([p.id])
+        return [(lease, self.open[cast(int, lease.item)]) for lease in self.table.grant(worker, now, n)]
+
+    def renew(self, worker: str, tokens: list[int], now: float) -> list[Lease]:
+        return self.table.renew(worker, tokens, now)
+
+    def result(self, worker: str, item: int, token: int, version: int, current: int, c: Completion,
+               now: float) -> str | None:  # fmt: skip
+        """Offer a result; None if accepted, else why not."""
+        if current - version > self.max_stale and self.table.release(worker, item, token, now):
+            self.rejected["stale"] += 1
+            return f"stale: made with version {version}, the trainer is at {current} (bound {self.max_stale})"
+        if not self.table.complete(worker, item, token, now):
+            reason = next(e.reason for e in reversed(self._events()) if isinstance(e, ResultRejected))
+            self.rejected[reason] += 1
+            return reason
+        self.open.pop(item, None)
+        self.samples.append(c)
+        self.accepted += 1
+        self._more.set()
+        return None
+
+    def expire(self, now: float) -> None:
+        self.table.tick(now)
+        self._events()
+
+    def _events(self) -> list[Any]:
+        evs = self.table.events()
+        for e in evs:
+            if isinstance(e, LeaseExpired):
+                log.info("lease_expired", worker=e.lease.worker, item=e.lease.item, token=e.lease.token)
+        return evs
+
+    async def take(self, n: int) -> list[Completion]:
+        """Wait for ``n`` accepted samples and hand them over (oldest first)."""
+        while len(self.samples) < n:
+            self._more.clear()
+            await self._more.wait()
+        out, self.samples = self.samples[:n], self.samples[n:]
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "rejected": dict(self.rejected), "in_flight": self.table.in_flight,
+                "pending": self.table.pending}  # fmt: skip
+
+
+class Coordinator(Actor):
+    """Answers the workers' ``want``/``renew``/``result`` messages from the `WorkPool`.
+
+    Messages arrive by `tell` as `Message`s; answers go back down with ``down``."""
+
+    mailbox_size = 1024
+
+    def __init__(self, pool: WorkPool, flow: VersionFlow, down: Send) -> None:
+        self.pool = pool
+        self.flow = flow
+        self.down = down
+
+    async def main(self) -> None:
+        while True:  # expire leases on time even when no message comes
+            self.pool.expire(time.monotonic())
+            await asyncio.sleep(min(1.0, self.pool.leases.ttl_s / 4))
+
+    async def receive(self, msg: Message) -> None:
+        h, now = msg.header, time.monotonic()
+        w = str(h["w"])
+        k = h.get("k")
+        if k == "want":
+            granted = self.pool.want(w, int(h["n"]), now)
+            if granted:
+                leases = [[lease.item, lease.token, lease.ttl_s, p.text] for lease, p in granted]
+                await self.down({"k": "grant", "w": w, "leases": leases}, ())
+        elif k == "renew":
+            renewed = self.pool.renew(w, [int(t) for t in h["tokens"]], now)
+            if renewed:
+                await self.down({"k": "renewed", "w": w, "leases": [[x.item, x.token, x.ttl_s] for x in renewed]}, ())
+        elif k == "result":
+            c = Completion(**msgpack.unpackb(msg.buffers[0]))
+            current = self.flow.version or 0
+            why = self.pool.result(w, int(h["item"]), int(h["token"]), int(h["v"]), current, c, now)
+            if why is not None:
+                log.info("result_rejected", worker=w, item=h["item"], version=h["v"], reason=why)
+            await self.down({"k": "verdict", "w": w, "item": h["item"], "ok": why is None, "reason": why}, ())
+
+
+# ---------------------------------------------------------------- relay side
+@dataclass
+class Routes:
+    """Which child each worker's messages came through, so answers go back the same way."""
+
+    via: dict[str, str] = field(default_factory=dict)
+
+    def learn(self, worker: str, child: str) -> None:
+        self.via[worker] = child
+
+    def child_for(self, worker: str) -> str | None:
+        return self.via.get(worker)
+
+
+# ---------------------------------------------------------------- rollout side
+@dataclass
+class WorkerStats:
+    batches: int = 0
+    completions: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    switches: int = 0
+    switch_s: float = 0.0
+    generate_s: float = 0.0
+    tokens: int = 0
+
+
+class Worker(Actor):
+    """A rollout worker: asks for prompts, generates with its engine, sends results up.
+
+    Between batches it switches the engine to the node's newest committed version.
+    The engine, lease holder and stats live outside the actor and survive restarts."""
+
+    mailbox_size = 256
+
+    def __init__(self, name: str, engine: Engine, flow: VersionFlow, up: Send, leases: LeaseSpec,
+                 holder: LeaseHolder, stats: WorkerStats) -> None:  # fmt: skip
+        self.name = name
+        self.engine = engine
+        self.flow = flow
+        self.up = up
+        self.leases = leases
+        self.holder = holder
+        self.stats = stats
+        self.prompts: dict[int, Prompt] = {}
+        self.granted = asyncio.Event()
+
+    async def receive(self, msg: Message) -> None:
+        h, now = msg.header, time.monotonic()
+        k = h.get("k")
+        if k == "grant":
+            got = [Lease(int(i), self.name, int(t), now, now + float(ttl)) for i, t, ttl, _ in h["leases"]]
+            self.holder.on_granted(got, now)
+            for i, _, _, text in h["leases"]:
+                self.prompts[int(i)] = Prompt(int(i), str(text))
+            self.granted.set()
+        elif k == "renewed":
+            self.holder.on_renewed([Lease(int(i), self.name, int(t), now, now + float(ttl))
+                                    for i, t, ttl in h["leases"]], now)  # fmt: skip
+        elif k == "verdict":
+            if h["ok"]:
+                self.stats.accepted += 1
+            else:
+                self.stats.rejected += 1
+                log.info("result_rejected", item=h["item"], reason=h["reason"])
+
+    async def main(self) -> None:
+        renewals = asyncio.ensure_future(self._renew())
+        try:
+            while True:
+                await self._batch()
+        finally:
+            renewals.cancel()
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.leases.ttl_s / 8)
+            now = time.monotonic()
+            self.holder.tick(now)
+            for ev in self.holder.events():
+                self.prompts.pop(cast(int, ev.lease.item), None)
+                log.info("lease_given_up", item=ev.lease.item, token=ev.lease.token)
+            tokens = self.holder.renewals_due(now)
+            if tokens:
+                await self.up({"k": "renew", "w": self.name, "tokens": tokens}, ())
+
+    async def _batch(self) -> None:
+        if self.flow.version is None:
+            await asyncio.sleep(0.1)  # nothing to serve until the first version arrives
+            return
+        await self._switch()
+        held = [self.prompts[i] for i in self.holder.items if i in self.prompts]
+        if not held:
+            self.granted.clear()
+            if await self.up({"k": "want", "w": self.name, "n": self.leases.prompts_per_lease}, ()):
+                try:
+                    async with asyncio.timeout(max(1.0, self.leases.ttl_s / 4)):
+                        await self.granted.wait()
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(0.1)  # not attached: wait for the uplink
+            return
+        version = self.engine.version
+        assert version is not None
+        t0 = time.perf_counter()
+        done = await asyncio.to_thread(self.engine.generate, held, version)
+        self.stats.generate_s += time.perf_counter() - t0
+        self.stats.batches += 1
+        for c in done:
+            self.stats.completions += 1
+            self.stats.tokens += len(c.tokens)
+            lease = self.holder.take(c.prompt_id)
+            self.prompts.pop(c.prompt_id, None)
+            if lease is None:
+                continue  # given up meanwhile: the coordinator has leased it to someone else
+            await self.up({"k": "result", "w": self.name, "item": c.prompt_id, "token": lease.token, "v": version},
+                          (msgpack.packb(asdict(c)),))  # fmt: skip
+
+    async def _switch(self) -> None:
+        """At a batch boundary: bring the engine to the newest committed version."""
+        if self.flow.version == self.engine.version:
+            return
+        t0 = time.perf_counter()
+        async with self.flow.weights_lock:  # the host copy does not change while the engine reads it
+            v, digest, w = self.flow.version, self.flow.digest, self.flow.weights
+            assert v is not None
+            assert digest is not None
+            assert w is not None
+            upd = WeightUpdate(v, digest, w, self.flow.touched_since(self.engine.version))
+            await asyncio.to_thread(self.engine.apply, upd)
+        dt = time.perf_counter() - t0
+        self.stats.switches += 1
+        self.stats.switch_s += dt
+        log.info("engine_switched", version=v, tensors="all" if upd.touched is None else len(upd.touched),
+                 switch_ms=round(dt * 1e3, 2))  # fmt: skip
+
+
+async def tell_or_drop(ref: Any, msg: Message) -> None:
+    """Hand a work message to a local actor; while it restarts the message is dropped (leases expire)."""
+    try:
+        await ref.tell(msg)
+    except ActorDead:
+        log.debug("work_message_dropped", k=msg.header.get("k"))
+
+
+async def send_or_drop(ch: Any, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
+    if ch is None:
+        return False
+    try:
+        await ch.send(header, *buffers)
+        return True
+    except TransportClosed:
+        return False
