@@ -79,6 +79,8 @@ class VersionFlow:
         self._incoming: _Incoming | None = None
         self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
         self.weights_lock = asyncio.Lock()
+        self.bytes_in = 0
+        """Delta bytes received from parents (manifests and chunks)."""
 
     # -- children
     async def add_child(self, ch: Channel, version: int | None) -> None:
@@ -131,6 +133,7 @@ class VersionFlow:
         """Feed one message from the parent; returns the version just committed, if any."""
         h = msg.header
         k = h.get("k")
+        self.bytes_in += sum(len(b) for b in msg.buffers)
         if k == "delta_manifest":
             self._begin(bytes(msg.buffers[0]))
             return None

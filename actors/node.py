@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any
 
 import structlog
 from aurora.actors.flow import VersionFlow
+from aurora.actors.status import STATUS_EVERY_S, ClusterStatus
 from aurora.actors.work import (
     DOWN,
     UP,
@@ -105,6 +107,8 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         pool = node.pool
         specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, node.flow, node.down)))
         specs.append(ChildSpec("publisher", actor=lambda: _Publisher(node), restart="transient"))
+    if spec.role != "trainer":
+        specs.append(ChildSpec("reporter", actor=lambda: _Reporter(node)))
     if node.engine is not None:
         engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
         specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
@@ -145,6 +149,7 @@ class _Node:
         self.store: DeltaStore | None = None
         self.engine: Any = None
         self.worker_stats = WorkerStats()
+        self.status = ClusterStatus([n.name for n in topo.nodes if n.role != "trainer"])
         self.sup: Supervisor | None = None
 
     async def open_trainer(self, store: Path | None) -> None:
@@ -171,6 +176,30 @@ class _Node:
             return self.sup.ref(actor)
         except KeyError:
             return None
+
+    def report(self) -> dict[str, Any]:
+        """This node's ``status`` report (see `aurora.actors.status`)."""
+        r: dict[str, Any] = {"version": self.flow.version, "parent": self.place.path[-1] if self.place.path else None,
+                             "bytes_in": self.flow.bytes_in}  # fmt: skip
+        if self.engine is not None:
+            w = self.worker_stats
+            r |= {"completions": w.completions, "accepted": w.accepted, "rejected": w.rejected,
+                  "tok_s": w.tokens / w.generate_s if w.generate_s else 0.0, "switches": w.switches,
+                  "switch_ms": 1e3 * w.switch_s / w.switches if w.switches else 0.0}  # fmt: skip
+        return r
+
+    def on_status_message(self, header: Mapping[str, Any]) -> None:
+        """Trainer: a ``held`` notice or a ``status`` report from a node below."""
+        if header["k"] == "held":
+            dt = self.status.on_held(str(header["n"]), int(header["v"]))
+            if dt is not None:
+                log.info("version_synced", version=int(header["v"]), sync_s=round(dt, 4))
+        else:
+            self.status.on_report(str(header["n"]), dict(header["r"]))
+
+    def snapshot(self) -> dict[str, Any]:
+        assert self.pool is not None
+        return self.status.snapshot({"version": self.flow.version, **self.pool.stats()})
 
     async def up(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
         return await send_or_drop(self.place.parent, header, buffers)
@@ -208,6 +237,7 @@ class _Publisher(Actor):
                 await asyncio.sleep(learner.spec.interval_s)
                 samples = []
             new = await asyncio.to_thread(learner.step, samples)
+            node.status.on_published((node.flow.version or 0) + 1, time.monotonic())
 
             async def persist(m: Manifest, chunks: list[bytes], new: Weights = new) -> None:
                 await node.persist(m, chunks, new)
@@ -215,6 +245,18 @@ class _Publisher(Actor):
             v = await node.flow.publish(new, persist)
             log.info("step", version=v, samples=len(samples), **pool.stats())
         log.info("steps_done", steps=steps, version=node.flow.version)
+
+
+class _Reporter(Actor):
+    """Sends this node's status report up the tree every `STATUS_EVERY_S`."""
+
+    def __init__(self, node: _Node) -> None:
+        self.node = node
+
+    async def main(self) -> None:
+        while True:
+            await self.node.up({"k": "status", "n": self.node.name, "r": self.node.report()}, ())
+            await asyncio.sleep(STATUS_EVERY_S)
 
 
 class _Children(Actor):
@@ -274,6 +316,10 @@ async def _child(node: _Node, ch: ZmqChannel) -> None:
     flow, place = node.flow, node.place
     try:
         hello = await ch.recv()
+        if hello.header.get("k") == "status?" and node.pool is not None:
+            await ch.send({"k": "status", "snap": node.snapshot()})
+            await ch.close("status sent")
+            return
         if hello.header.get("k") != "version":
             log.warning("bad_hello", child=ch.peer, header=dict(hello.header))
             await ch.close("expected a version hello")
@@ -294,6 +340,11 @@ async def _child(node: _Node, ch: ZmqChannel) -> None:
             k = msg.header.get("k")
             if k == "version":
                 await flow.on_child_message(ch.peer, msg)
+            elif k in ("held", "status"):
+                if node.pool is not None:
+                    node.on_status_message(msg.header)
+                else:
+                    await node.up(msg.header, ())
             elif k in UP:
                 node.routes.learn(str(msg.header["w"]), ch.peer)
                 if coordinator is not None:
@@ -363,3 +414,4 @@ async def _from_parent(node: _Node, ch: Channel) -> None:
             v = await flow.on_parent_message(msg)
             if v is not None:
                 await ch.send({"k": "version", "v": v})
+                await ch.send({"k": "held", "n": node.name, "v": v})

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,delta,bench,keys,topology}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,delta,bench,keys,topology}")
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
@@ -137,13 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node(sub)
     r = sub.add_parser("run", help="run every node of a topology on this machine",
                        description="Start every node of the topology as its own process (parents first), show "
-                       "each node's weight version as it changes, and stop everything (children first) once the "
-                       "trainer has published run.steps versions and every node holds the last one, or on "
-                       "Ctrl-C.")  # fmt: skip
+                       "the cluster's status as it changes (read from the trainer over the control channel, as "
+                       "aurora status does: versions, results accepted and rejected, leases, bytes received, sync "
+                       "times, tokens/s), and stop everything (children first) once the trainer has published "
+                       "run.steps versions and every node holds the last one, or on Ctrl-C. Each node's JSON log "
+                       "is kept in the state directory as NODE.log.")  # fmt: skip
     r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
     r.add_argument("--state", type=Path, default=None,
                    help="directory for the nodes' state (the trainer's version store); default: a temporary "
                    "directory removed at the end")  # fmt: skip
+    st = sub.add_parser("status", help="show a running cluster's status",
+                        description="Ask the topology's trainer for the status every node reports up the tree "
+                        "(over the control channel: a connection whose hello is a status request) and print it.")  # fmt: skip
+    st.add_argument("topology", type=Path, help="the topology YAML file of the running cluster")
+    st.add_argument("--watch", type=float, default=None, metavar="S", help="print it again every S seconds")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
@@ -328,8 +336,32 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from aurora.run import run
 
-    run(args.topology, progress=lambda m: print(m, flush=True), state=args.state)
+    shown = [0]
+
+    def show(text: str, *, redraw: bool = False) -> None:
+        """On a terminal the status block is redrawn in place; otherwise every block is printed."""
+        if redraw and sys.stdout.isatty() and shown[0]:
+            sys.stdout.write(f"\x1b[{shown[0]}F\x1b[J")
+        print(text, flush=True)
+        shown[0] = text.count("\n") + 1 if redraw else 0
+
+    run(args.topology, progress=show, state=args.state)
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from aurora.actors.status import fetch_status, render
+    from aurora.config.topology import load_topology
+
+    topo = load_topology(args.topology)
+    while True:
+        snap = asyncio.run(fetch_status(topo))
+        print(json.dumps(snap) if args.json else render(snap), flush=True)
+        if args.watch is None:
+            return 0
+        time.sleep(args.watch)
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
@@ -365,6 +397,7 @@ COMMANDS = {
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,
     ("run", None): cmd_run,
+    ("status", None): cmd_status,
 }
 
 
@@ -378,7 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from aurora.logs import configure
 
-    configure(args.log_level, args.log_format)
+    # run and status show a display; their own connections' info logs would only clutter it
+    quiet = args.cmd in ("run", "status") and args.log_level == "info"
+    configure("warning" if quiet else args.log_level, args.log_format)
     sub = getattr(args, f"{args.cmd}_cmd", None)
     try:
         try:

@@ -2,7 +2,9 @@
 
 Nodes start parents first (a child waits until its parent has attached to the
 tree, so it is not refused and sent to a fallback). Each node's JSON log lines
-are read as they come; a status line shows every node's version, and the run
+are read as they come (and kept as ``STATE/NODE.log``); the status display is
+the trainer's gathered status, read over the control channel as ``aurora
+status`` does (the versions seen in the logs until the trainer answers); the run
 ends when the trainer has published ``run.steps`` versions and every other node
 holds the last one — or on Ctrl-C / SIGTERM. Nodes are stopped children first
 (SIGTERM, then SIGKILL after a grace period), each by its process group.
@@ -11,6 +13,7 @@ A node that exits on its own is an error that names the node and its last log li
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -25,9 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from aurora.actors.status import STATUS_EVERY_S, fetch_status, render
 from aurora.config.plan import Tree, plan
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
+
+Progress = Callable[..., None]
+"""``progress(text, redraw=False)``: show a message, or (redraw) the status block that replaces the last one."""
 
 ATTACH_TIMEOUT_S = 180.0  # a clean checkout compiles the codec kernels on first use
 STOP_GRACE_S = 10.0
@@ -46,6 +53,7 @@ class Cluster:
     def __init__(self, path: Path, topo: Topology, tree: Tree, state: Path) -> None:
         self.path = path
         self.state = state
+        state.mkdir(parents=True, exist_ok=True)
         self.topo = topo
         self.tree = tree
         self.status = {n.name: NodeStatus(n.name, n.role) for n in topo.nodes}
@@ -71,8 +79,14 @@ class Cluster:
         threading.Thread(target=self._read, args=(name, p.stderr), daemon=True).start()
 
     def _read(self, name: str, stream: IO[bytes]) -> None:
-        for raw in stream:
-            line = raw.decode(errors="replace").strip()
+        with (self.state / f"{name}.log").open("ab") as keep:
+            for raw in stream:
+                keep.write(raw)
+                keep.flush()
+                self._note(name, raw.decode(errors="replace").strip())
+
+    def _note(self, name: str, line: str) -> None:
+        if line:
             try:
                 e: dict[str, Any] = json.loads(line)
             except ValueError:
@@ -85,6 +99,13 @@ class Cluster:
                     st.version = int(e["version"])
                 elif ev == "parent_attached":
                     st.parent = str(e.get("parent"))
+
+    def display(self) -> str:
+        """The trainer's gathered status (the control channel), or the versions seen in the logs until then."""
+        try:
+            return render(asyncio.run(fetch_status(self.topo, timeout_s=2.0)))
+        except AuroraError:
+            return self.line()
 
     def died(self) -> str | None:
         for name, p in self.procs.items():
@@ -127,7 +148,7 @@ class Cluster:
                 p.wait()
 
 
-def run(path: Path, *, progress: Callable[[str], None] = print, interval_s: float = 1.0,
+def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0,
         state: Path | None = None) -> dict[str, NodeStatus]:  # fmt: skip
     topo = load_topology(path)
     tree = plan(topo, str(path))
@@ -137,7 +158,7 @@ def run(path: Path, *, progress: Callable[[str], None] = print, interval_s: floa
         return _run(Cluster(path, topo, tree, state), progress, interval_s)
 
 
-def _run(cluster: Cluster, progress: Callable[[str], None], interval_s: float) -> dict[str, NodeStatus]:
+def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, NodeStatus]:
     topo, tree = cluster.topo, cluster.tree
     stopping = False
 
@@ -158,10 +179,12 @@ def _run(cluster: Cluster, progress: Callable[[str], None], interval_s: float) -
             if (why := cluster.died()) is not None:
                 raise AuroraError(why)
             if time.monotonic() - last >= interval_s:
-                progress(cluster.line())
+                progress(cluster.display(), redraw=True)
                 last = time.monotonic()
             time.sleep(0.05)
-        progress(cluster.line())
+        if not stopping:
+            time.sleep(STATUS_EVERY_S + 0.2)  # the nodes' reports of the last version reach the trainer
+        progress(cluster.display(), redraw=True)
         progress("stopping (children first)" if stopping else f"done: every node holds version {topo.run.steps}")
     except KeyboardInterrupt:
         progress("interrupted: stopping (children first)")

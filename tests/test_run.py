@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -22,14 +23,24 @@ nodes:
   - {{name: rollout-1, role: rollout, region: local, parent: relay}}
   - {{name: rollout-2, role: rollout, region: local, parent: auto}}
 heartbeat: {{interval_s: 0.2, suspect_after_s: 0.6, lost_after_s: 1.2}}
-learner: {{kind: synthetic, params: 100000, density: 0.02, interval_s: 0.2}}
-run: {{steps: 5}}
+leases: {{ttl_s: 5.0, prompts_per_lease: 4}}
+learner: {{kind: synthetic, model: {{preset: tiny}}, density: 0.02, samples_per_step: 8}}
+engine: {{kind: torch, model: {{preset: tiny}}, max_new_tokens: 8}}
+run: {{steps: 4}}
 """)
-    r = subprocess.run([sys.executable, "-m", "aurora", "run", str(topo)], capture_output=True, text=True,
-                       timeout=240)  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "aurora", "run", str(topo), "--state", str(tmp_path / "state")],
+                       capture_output=True, text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "done: every node holds version 5" in r.stdout
-    assert "rollout-2 v5" in r.stdout.splitlines()[-2]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "done: every node holds version 4"
+    final = lines[lines.index(next(x for x in reversed(lines) if x.startswith("trainer v"))):-1]
+    m = re.match(r"trainer v4 +results accepted (\d+)", final[0])
+    assert m is not None, final
+    assert int(m.group(1)) >= 4 * 8  # every step was made of accepted rollout results
+    nodes = {x.split()[0]: x.split()[1] for x in final[1:]}
+    assert nodes == {"relay": "v4", "rollout-1": "v4", "rollout-2": "v4"}, final
+    assert all("tok/s" in x for x in final[1:] if x.startswith("rollout"))
+    assert (tmp_path / "state" / "trainer.log").stat().st_size > 0
 
 
 def test_aurora_run_names_a_node_that_cannot_start(tmp_path: Path) -> None:
