@@ -82,8 +82,10 @@ class WorkPool:
     _more: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
+        # tokens start from the clock (µs, with room for 4096 grants per µs), so a restarted
+        # coordinator never reissues a token that a worker may still hold from before
         self.table = LeaseTable(ttl_s=self.leases.ttl_s, max_batch=self.leases.prompts_per_lease,
-                                batch_s=self.leases.batch_s)  # fmt: skip
+                                batch_s=self.leases.batch_s, first_token=(time.time_ns() // 1000) << 12)  # fmt: skip
 
     def want(self, worker: str, n: int, now: float) -> list[tuple[Lease, Prompt]]:
         n = max(0, min(n, self.leases.prompts_per_lease))
@@ -230,6 +232,8 @@ class Worker(Actor):
             self.holder.on_granted(got, now)
             for i, _, _, text in h["leases"]:
                 self.prompts[int(i)] = Prompt(int(i), str(text))
+            if not self.stats.completions and not self.granted.is_set():
+                log.info("work_started", leases=len(got))
             self.granted.set()
         elif k == "renewed":
             self.holder.on_renewed([Lease(int(i), self.name, int(t), now, now + float(ttl))

@@ -12,6 +12,7 @@ that rollout engines on that model serve (and really change with) every version.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,6 +52,8 @@ class SyntheticSpec:
     """Seconds between published versions (when ``samples_per_step`` is 0)."""
     samples_per_step: int = 0
     """Step after this many accepted rollout results instead of on a timer."""
+    step_s: float = 0.0
+    """Seconds each step takes (a stand-in for the training compute a real learner spends)."""
     seed: int = 0
     model: ModelSpec | None = None
     """Start from this locally built model's weights (``params``/``tensors`` are then unused), so
@@ -65,6 +68,8 @@ class SyntheticSpec:
             raise ConfigError("must be in (0, 1]", path="density")
         if self.interval_s <= 0:
             raise ConfigError("must be > 0", path="interval_s")
+        if self.step_s < 0:
+            raise ConfigError("must be >= 0", path="step_s")
         if self.samples_per_step < 0:
             raise ConfigError("must be >= 0", path="samples_per_step")
 
@@ -107,6 +112,8 @@ class SyntheticLearner:
         self.rng = np.random.default_rng((self.spec.seed, version))
 
     def step(self, samples: Sequence[Any] = ()) -> Weights:
+        if self.spec.step_s:
+            time.sleep(self.spec.step_s)
         for bits in self._bits.values():
             k = max(1, round(bits.size * self.spec.density))
             pos = self.rng.choice(bits.size, size=k, replace=False)

@@ -33,7 +33,7 @@ run: {{steps: 4}}
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "done: every node holds version 4"
-    final = lines[lines.index(next(x for x in reversed(lines) if x.startswith("trainer v"))):-1]
+    final = lines[lines.index(next(x for x in reversed(lines) if x.startswith("trainer v"))) : -1]
     m = re.match(r"trainer v4 +results accepted (\d+)", final[0])
     assert m is not None, final
     assert int(m.group(1)) >= 4 * 8  # every step was made of accepted rollout results

@@ -84,6 +84,7 @@ class LeaseTable:
         max_batch: int = 64,
         batch_s: float = 10.0,
         ema_alpha: float = 0.3,
+        first_token: int = 1,
     ) -> None:
         if ttl_s <= 0 or floor < 1 or max_batch < floor or not 0 < ema_alpha <= 1:
             raise ValueError("need ttl_s > 0, 1 <= floor <= max_batch, 0 < ema_alpha <= 1")
@@ -97,7 +98,8 @@ class LeaseTable:
         self._current: dict[Item, Lease] = {}
         self._done: set[Item] = set()
         self._workers: dict[str, _Worker] = {}
-        self._next_token = 1
+        self._next_token = first_token
+        """Tokens only grow; a coordinator that restarts starts above its old ones (e.g. from the clock)."""
         self._events: list[LeaseEvent] = []
 
     # ------------------------------------------------------------------ inputs
