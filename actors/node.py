@@ -36,10 +36,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aurora.actors.flow import VersionFlow
@@ -56,8 +56,8 @@ from aurora.actors.work import (
     send_or_drop,
     tell_or_drop,
 )  # fmt: skip
-from aurora.transport.base import Channel
-from aurora.transport.zmq import LinkConfig, ZmqChannel, ZmqTransport
+from aurora.transport.base import Channel, Transport
+from aurora.transport.zmq import LinkConfig, ZmqTransport
 
 from aurora.codec import Weights
 from aurora.codec.format import Manifest
@@ -77,11 +77,24 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 30.0
 
 
-async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
-                   store: Path | None = None) -> None:  # fmt: skip
-    """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its sockets).
+class NodeTransport(Transport, Protocol):
+    """What a node needs from its transport: `Transport`, plus a listening address and hanging up."""
 
-    ``store``: the trainer's version store (resume from its latest version); None keeps none."""
+    address: str
+
+    async def listen_in(self, tg: asyncio.TaskGroup) -> str: ...
+
+    async def disconnect(self, peer: str) -> None: ...
+
+
+async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
+                   store: Path | None = None, transport: NodeTransport | None = None,
+                   observe: Callable[[Node], None] | None = None) -> None:  # fmt: skip
+    """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
+
+    ``store``: the trainer's version store (resume from its latest version); None keeps none.
+    ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
+    ``observe``: called with the `Node` once it is built (tests read its state)."""
     try:
         spec = topo.node(name)
     except KeyError:
@@ -90,12 +103,14 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     hb = topo.heartbeat
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
-    node = _Node(name, topo, file)
+    node = Node(name, topo, file)
     if spec.role == "trainer":
         await node.open_trainer(store)
     elif spec.role == "rollout" and topo.engine:
         node.engine = await asyncio.to_thread(make_engine, topo.engine, file)
-    zt = ZmqTransport(name, cfg=cfg, bind=spec.listen)
+    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen)
+    if observe is not None:
+        observe(node)
     parent = tree.parent[name]
     specs: list[ChildSpec] = []
     if spec.listen is not None:
@@ -123,8 +138,10 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         sup_task = await sup.start_in(tg)
         log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs])
         stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
+        try:
+            await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
         log.info("node_stopping")
         sup.stop()
         try:
@@ -133,7 +150,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
             await zt.close()
 
 
-class _Node:
+class Node:
     """State that outlives the node's actors (see the module docstring)."""
 
     def __init__(self, name: str, topo: Topology, file: str | None) -> None:
@@ -222,7 +239,7 @@ class _Node:
 class _Publisher(Actor):
     """The trainer's learner loop: step, then publish (stored before its last chunk leaves)."""
 
-    def __init__(self, node: _Node) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
 
     async def main(self) -> None:
@@ -250,7 +267,7 @@ class _Publisher(Actor):
 class _Reporter(Actor):
     """Sends this node's status report up the tree every `STATUS_EVERY_S`."""
 
-    def __init__(self, node: _Node) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
 
     async def main(self) -> None:
@@ -262,7 +279,7 @@ class _Reporter(Actor):
 class _Children(Actor):
     """Accepts child connections and serves each in its own task."""
 
-    def __init__(self, node: _Node, zt: ZmqTransport) -> None:
+    def __init__(self, node: Node, zt: NodeTransport) -> None:
         self.node = node
         self.zt = zt
 
@@ -276,7 +293,7 @@ class _Children(Actor):
 class _Uplink(Actor):
     """Keeps this node attached to the first parent in its order that accepts it."""
 
-    def __init__(self, node: _Node, zt: ZmqTransport, order: list[str], lost_after_s: float) -> None:
+    def __init__(self, node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
         self.node = node
         self.zt = zt
         self.order = order
@@ -312,7 +329,7 @@ class Place:
                     await ch.send({"k": "path", "path": self.below()})
 
 
-async def _child(node: _Node, ch: ZmqChannel) -> None:
+async def _child(node: Node, ch: Channel) -> None:
     flow, place = node.flow, node.place
     try:
         hello = await ch.recv()
@@ -360,7 +377,7 @@ async def _child(node: _Node, ch: ZmqChannel) -> None:
             del place.children[ch.peer]
 
 
-async def _follow_parents(node: _Node, zt: ZmqTransport, order: list[str], lost_after_s: float) -> None:
+async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
     """Stay attached to the first parent in ``order`` that accepts, moving on when one is lost."""
     flow, place = node.flow, node.place
     i = 0
@@ -394,7 +411,7 @@ class _Cycle(Exception):
     """The parent's new path runs through this node."""
 
 
-async def _from_parent(node: _Node, ch: Channel) -> None:
+async def _from_parent(node: Node, ch: Channel) -> None:
     flow, place = node.flow, node.place
     worker = node.ref("worker")
     while True:

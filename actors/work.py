@@ -34,7 +34,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -79,6 +79,8 @@ class WorkPool:
     samples: list[Completion] = field(default_factory=list)
     accepted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
+    """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
     _more: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,7 @@ class WorkPool:
             self.rejected[reason] += 1
             return reason
         self.open.pop(item, None)
+        self.log.append((item, worker, version, current))
         self.samples.append(c)
         self.accepted += 1
         self._more.set()

@@ -74,15 +74,18 @@ class Engine(Protocol):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSpec:
     kind: str = "torch"
+    """``torch`` (`TorchEngine`) or ``synthetic`` (`SyntheticEngine`, a load generator)."""
     model: ModelSpec = field(default_factory=ModelSpec)
     max_new_tokens: int = 16
     temperature: float = 1.0
     """0 samples greedily."""
     seed: int = 0
+    token_s: float = 0.0
+    """synthetic only: seconds per generated token position of a batch (a stand-in for compute)."""
 
     def __post_init__(self) -> None:
-        if self.kind != "torch":
-            raise ConfigError(f"unknown engine kind {self.kind!r} (this build has: torch)", path="kind")
+        if self.kind not in ("torch", "synthetic"):
+            raise ConfigError(f"unknown engine kind {self.kind!r} (this build has: torch, synthetic)", path="kind")
         if self.max_new_tokens < 1:
             raise ConfigError("must be >= 1", path="max_new_tokens")
         if self.temperature < 0:
@@ -180,5 +183,54 @@ class TorchEngine:
         return toks, lps
 
 
+class SyntheticEngine:
+    """A load generator with the `Engine` contract, for tests and benchmarks of the system around it.
+
+    It keeps its own copy of the weights (applied and verified exactly as `TorchEngine`
+    does: touched tensors copied, digest checked, full reload on a mismatch) but does not
+    run a model: a completion is the prompt's characters reversed, ``max_new_tokens``
+    long at most, each token with log-probability 0, after ``token_s`` seconds per token."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.tok = CharTokenizer()
+        self._weights: Weights | None = None
+        self.version: int | None = None
+
+    def weights(self) -> Weights:
+        if self._weights is None:
+            raise ProtocolError("the engine holds no weights yet", remote=False)
+        return self._weights
+
+    def apply(self, update: WeightUpdate) -> None:
+        self.version = None
+        mine = self._weights
+        if mine is None or set(mine) != set(update.weights) or update.touched is None:
+            self._weights = update.weights.copy()
+        else:
+            for n in update.touched:
+                mine[n].bits[:] = update.weights[n].bits
+            mine.forget_digests()
+        if self.weights().digest() != update.digest:
+            self._weights = update.weights.copy()
+            if self._weights.digest() != update.digest:
+                raise DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")
+        self.version = update.version
+
+    def generate(self, prompts: Sequence[Prompt], version: int) -> list[Completion]:
+        if self.version != version:
+            raise ProtocolError(f"engine serves version {self.version}, asked to generate with {version}",
+                                remote=False)  # fmt: skip
+        n = self.spec.max_new_tokens
+        if prompts and self.spec.token_s:
+            time.sleep(self.spec.token_s * n)
+        out = []
+        for p in prompts:
+            toks = self.tok.encode(p.text[::-1])[1 : n + 1]
+            out.append(Completion(p.id, self.tok.decode(toks), toks, [0.0] * len(toks), version))
+        return out
+
+
 def make_engine(section: dict[str, Any], file: str | None = None) -> Engine:
-    return TorchEngine(EngineSpec.from_section(section, file))
+    spec = EngineSpec.from_section(section, file)
+    return TorchEngine(spec) if spec.kind == "torch" else SyntheticEngine(spec)

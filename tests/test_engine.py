@@ -13,7 +13,7 @@ import torch
 from aurora.codec import Weights
 from aurora.codec.decoder import receive
 from aurora.codec.encoder import encode
-from aurora.engine import EngineSpec, Prompt, TorchEngine, WeightUpdate
+from aurora.engine import Engine, EngineSpec, Prompt, SyntheticEngine, TorchEngine, WeightUpdate
 from aurora.errors import DeltaFormatError, ProtocolError
 from aurora.learner import SyntheticLearner, SyntheticSpec
 from aurora.model import CharTokenizer, ModelSpec, build_model
@@ -35,8 +35,19 @@ def versions() -> list[Weights]:
     return [learner.initial().copy(), learner.step().copy(), learner.step().copy()]
 
 
-def test_a_delta_applied_to_the_host_copy_and_then_the_engine_is_bit_identical(versions: list[Weights]) -> None:
-    engine = TorchEngine(EngineSpec(model=SPEC))
+ENGINES = {"torch": lambda: TorchEngine(EngineSpec(model=SPEC)),
+           "synthetic": lambda: SyntheticEngine(EngineSpec(kind="synthetic", model=SPEC))}  # fmt: skip
+
+
+def _engine(kind: str) -> Engine:
+    return ENGINES[kind]()  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_a_delta_applied_to_the_host_copy_and_then_the_engine_is_bit_identical(
+    kind: str, versions: list[Weights]
+) -> None:
+    engine = _engine(kind)
     host = versions[0].copy()
     engine.apply(_full(0, host))
     assert engine.version == 0
@@ -49,16 +60,22 @@ def test_a_delta_applied_to_the_host_copy_and_then_the_engine_is_bit_identical(v
         assert _bits_equal(engine.weights(), versions[v])
 
 
-def test_an_update_that_understates_what_changed_is_caught_by_the_digest_and_reloaded(versions: list[Weights]) -> None:
-    engine = TorchEngine(EngineSpec(model=SPEC))
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_an_update_that_understates_what_changed_is_caught_by_the_digest_and_reloaded(
+    kind: str, versions: list[Weights]
+) -> None:
+    engine = _engine(kind)
     engine.apply(_full(0, versions[0]))
     engine.apply(WeightUpdate(1, versions[1].digest(), versions[1], touched=[]))  # claims nothing changed
     assert engine.version == 1
     assert _bits_equal(engine.weights(), versions[1])
 
 
-def test_weights_that_do_not_match_their_digest_leave_the_engine_serving_nothing(versions: list[Weights]) -> None:
-    engine = TorchEngine(EngineSpec(model=SPEC))
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_weights_that_do_not_match_their_digest_leave_the_engine_serving_nothing(
+    kind: str, versions: list[Weights]
+) -> None:
+    engine = _engine(kind)
     engine.apply(_full(0, versions[0]))
     with pytest.raises(DeltaFormatError, match="digest"):
         engine.apply(WeightUpdate(1, versions[2].digest(), versions[1], None))

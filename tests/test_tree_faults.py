@@ -1,0 +1,208 @@
+"""The whole tree in one process under hypothesis fault schedules (in-memory links).
+
+Seven real nodes (`aurora.actors.node.run_node`, the code `aurora node` runs) over
+`aurora.testing.links`: nodes are killed (their tasks cancelled, their links dropped, as
+in a crash) and restarted, links are partitioned and healed, in orders hypothesis picks.
+After the schedule everything is healed and restarted, and the invariants are checked:
+
+* every rollout converges to the trainer's last version, bit-exactly (its flow's weights
+  and its engine's weights, read back, both hash to the trainer's digest);
+* within one life, a node commits versions strictly in increasing order (none skipped
+  back, none applied twice), and every committed digest is the one the trainer published;
+* every prompt's result is accepted at most once per coordinator life;
+* no accepted result was made more than ``staleness.max_versions`` versions before the
+  trainer's version when it was accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aurora.actors.node import Node, run_node
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from aurora.config.plan import plan
+from aurora.config.topology import load_topology
+from aurora.testing.links import LinkNet
+
+STEPS = 8
+TOPOLOGY = f"""
+name: faults
+regions: [{{name: local}}]
+nodes:
+  - {{name: trainer, role: trainer, region: local, listen: "mem://trainer"}}
+  - {{name: relay-a, role: relay, region: local, listen: "mem://relay-a", parent: trainer}}
+  - {{name: relay-b, role: relay, region: local, listen: "mem://relay-b", parent: trainer}}
+  - {{name: r1, role: rollout, region: local, parent: relay-a, fallback_parents: [relay-b, trainer]}}
+  - {{name: r2, role: rollout, region: local, parent: relay-a, fallback_parents: [trainer]}}
+  - {{name: r3, role: rollout, region: local, parent: relay-b, fallback_parents: [relay-a, trainer]}}
+  - {{name: r4, role: rollout, region: local, parent: relay-b, fallback_parents: [trainer]}}
+heartbeat: {{interval_s: 0.1, suspect_after_s: 0.3, lost_after_s: 0.6}}
+leases: {{ttl_s: 0.8, prompts_per_lease: 3, batch_s: 0.3}}
+staleness: {{max_versions: 1}}
+learner: {{kind: synthetic, params: 20000, tensors: 2, density: 0.05, samples_per_step: 6, step_s: 0.05}}
+engine: {{kind: synthetic, max_new_tokens: 4, token_s: 0.01}}
+run: {{steps: {STEPS}}}
+"""
+NODES = ["trainer", "relay-a", "relay-b", "r1", "r2", "r3", "r4"]
+LINKS = [("trainer", "relay-a"), ("trainer", "relay-b"), ("relay-a", "r1"), ("relay-a", "r2"), ("relay-b", "r3"),
+         ("relay-b", "r4"), ("relay-b", "r1"), ("relay-a", "r3"), ("trainer", "r2")]  # fmt: skip
+
+Op = tuple[Any, ...]
+ops = st.lists(
+    st.tuples(
+        st.one_of(
+            st.tuples(st.just("kill"), st.sampled_from(NODES)),
+            st.tuples(st.just("partition"), st.sampled_from(LINKS)),
+            st.tuples(st.just("heal")),
+            st.tuples(st.just("restart")),
+        ),
+        st.floats(0.05, 0.6),
+    ),
+    max_size=6,
+)
+
+
+class Harness:
+    def __init__(self, tmp: Path) -> None:
+        path = tmp / "faults.yaml"
+        path.write_text(TOPOLOGY)
+        self.topo = load_topology(path)
+        self.tree = plan(self.topo, str(path))
+        self.store = tmp / "store"
+        self.net = LinkNet()
+        self.nodes: dict[str, Node] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.transports: dict[str, Any] = {}
+        self.lives: list[dict[str, Any]] = []  # the log, with a marker at each node start
+        self.pools: list[Any] = []
+
+    def start(self, name: str) -> None:
+        spec = self.topo.node(name)
+        t = self.net.transport(name, bind=spec.listen)
+        self.transports[name] = t
+
+        def seen(node: Node) -> None:
+            self.nodes[name] = node
+            self.lives.append({"event": "life", "node": name})
+            if node.pool is not None:
+                self.pools.append(node.pool)
+
+        self.tasks[name] = asyncio.create_task(run_node(
+            self.topo, self.tree, name, asyncio.Event(), store=self.store if name == "trainer" else None,
+            transport=t, observe=seen))  # fmt: skip
+
+    async def kill(self, name: str) -> None:
+        task = self.tasks.pop(name, None)
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await self.transports[name].close()  # the OS closes a dead process's sockets
+
+    def restart_dead(self) -> None:
+        for n in NODES:
+            if n not in self.tasks or self.tasks[n].done():
+                if n in self.tasks and not self.tasks[n].cancelled() and self.tasks[n].exception():
+                    raise self.tasks[n].exception()  # type: ignore[misc]
+                self.start(n)
+
+    def converged(self) -> bool:
+        t = self.nodes.get("trainer")
+        if t is None or t.flow.version != STEPS:
+            return False
+        for n in NODES[1:]:
+            node = self.nodes.get(n)
+            if node is None or node.flow.version != STEPS or node.flow.digest != t.flow.digest:
+                return False
+            if node.engine is not None and node.engine.version != STEPS:
+                return False
+        return True
+
+
+async def _scenario(tmp: Path, schedule: list[tuple[Op, float]]) -> None:
+    h = Harness(tmp)
+    with capture_logs() as cap:
+        h.lives = cap
+        try:
+            for n in NODES:
+                h.start(n)
+            await asyncio.sleep(0.3)
+            for op, pause in schedule:
+                if op[0] == "kill":
+                    await h.kill(op[1])
+                elif op[0] == "partition":
+                    h.net.partition(*op[1])
+                elif op[0] == "heal":
+                    h.net.heal_all()
+                else:
+                    h.restart_dead()
+                await asyncio.sleep(pause)
+            h.net.heal_all()
+            h.restart_dead()
+            async with asyncio.timeout(60):
+                while not h.converged():
+                    await asyncio.sleep(0.05)
+                    h.restart_dead()  # also raises a node's own error, if one ended with one
+        finally:
+            for n in list(h.tasks):
+                await h.kill(n)
+        events = list(cap)
+
+    trainer = h.nodes["trainer"]
+    digest = trainer.flow.digest
+    assert digest is not None
+    for n in NODES[1:]:
+        node = h.nodes[n]
+        assert node.flow.weights is not None
+        assert node.flow.weights.digest() == digest, n
+        if node.engine is not None:
+            assert node.engine.weights().digest() == digest, n
+
+    published: dict[int, str] = {}
+    for e in events:
+        if e["event"] == "version_published":
+            assert published.setdefault(e["version"], e["digest"]) == e["digest"], "a version number reused"
+    last: dict[str, int] = {}
+    for e in events:
+        if e["event"] == "life":
+            last.pop(e["node"], None)
+        elif e["event"] == "version_committed":
+            n, v = e["node"], e["version"]
+            assert v > last.get(n, -1), f"{n} committed {v} after {last.get(n)}"
+            last[n] = v
+            assert e["digest"] == published.get(v, e["digest"]), (n, v)
+
+    k = h.topo.staleness.max_versions
+    for pool in h.pools:
+        items = [item for item, _, _, _ in pool.log]
+        assert len(items) == len(set(items)), "a prompt's result was accepted twice"
+        assert all(current - version <= k for _, _, version, current in pool.log)
+    assert sum(len(p.log) for p in h.pools) >= 6  # work was done
+
+
+def _faults(n: int) -> settings:
+    return settings(deadline=None, derandomize=True, max_examples=n,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+
+
+@_faults(5)
+@given(schedule=ops)
+def test_the_tree_converges_after_any_fault_schedule(tmp_path_factory: pytest.TempPathFactory,
+                                                     schedule: list[tuple[Op, float]]) -> None:  # fmt: skip
+    asyncio.run(_scenario(tmp_path_factory.mktemp("faults"), schedule))
+
+
+@pytest.mark.slow
+@_faults(30)
+@given(schedule=ops)
+def test_the_tree_converges_after_any_fault_schedule_many(tmp_path_factory: pytest.TempPathFactory,
+                                                          schedule: list[tuple[Op, float]]) -> None:  # fmt: skip
+    asyncio.run(_scenario(tmp_path_factory.mktemp("faults"), schedule))
