@@ -28,6 +28,7 @@ chunk leaves, so no child can commit a version the trainer has not stored.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class _Incoming:
 
 class VersionFlow:
     def __init__(self, name: str, weights: Weights | None, version: int | None, *,
-                 keep_versions: int = DEFAULT_KEEP_VERSIONS) -> None:  # fmt: skip
+                 keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False) -> None:  # fmt: skip
         self.name = name
         self.weights = weights
         self.version = version
@@ -73,6 +74,8 @@ class VersionFlow:
         self.changed: OrderedDict[int, frozenset[str] | None] = OrderedDict()
         """Per committed version, the tensors its delta touched (None: a snapshot, everything)."""
         self.keep_versions = keep_versions
+        self.full_weights = full_weights
+        """Publish every version as a snapshot (the full-weight baseline of the benchmarks)."""
         self.router = VersionRouter(version)
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
@@ -105,8 +108,11 @@ class VersionFlow:
         encoded and before the last one is routed."""
         if self.weights is None or self.version is None:
             raise ProtocolError("publish needs a current version to diff against", remote=False)
+        t0 = time.monotonic()
         target = self.version + 1
-        m, chunks = encode_stream(self.weights, new, base_version=self.version, target_version=target)
+        base = None if self.full_weights else self.weights
+        m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
+                                  target_version=target)  # fmt: skip
         n = m.n_chunks
         stored = _Stored(pack_manifest(m), [None] * n)
         self._remember(target, stored)
@@ -125,7 +131,10 @@ class VersionFlow:
         self._changed(target, None)
         self.router.version_committed(target)
         await self._run(self.router.commands())
-        log.info("version_published", node=self.name, version=target, chunks=n, digest=m.target_digest.hex()[:16])
+        nbytes = len(stored.manifest) + sum(len(c) for c in stored.chunks if c is not None)
+        log.info("version_published", node=self.name, version=target, chunks=n, bytes=nbytes,
+                 snapshot=m.is_snapshot, publish_s=round(time.monotonic() - t0, 6),
+                 digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
 
     # -- a relay's or rollout's side
@@ -147,7 +156,8 @@ class VersionFlow:
             raise ProtocolError(f"{self.name}: parent sent a delta from version {m.base_version}, "
                                 f"this node holds {self.version}", remote=True)  # fmt: skip
         rx = DeltaReceiver(m)
-        streamed = not m.is_snapshot and self.version is not None and m.target_version == self.version + 1
+        # the next version (a delta, or a snapshot of the full-weight baseline) is forwarded chunk by chunk
+        streamed = self.version is not None and m.target_version == self.version + 1
         self._incoming = _Incoming(m, rx, streamed)
         if streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks))

@@ -159,7 +159,7 @@ class Node:
         self.file = file
         spec = topo.node(name)
         self.place = Place(name, [] if spec.role == "trainer" else None)
-        self.flow = VersionFlow(name, None, None)
+        self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights)
         self.routes = Routes()
         self.pool: WorkPool | None = None
         self.learner: SyntheticLearner | None = None
@@ -183,7 +183,7 @@ class Node:
                 version = latest
                 learner.restore(weights, version)
                 log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
-        self.flow = VersionFlow(self.name, weights, version)
+        self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights)
         self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions,
                              arithmetic_prompts(learner.spec.seed))  # fmt: skip
 
@@ -230,7 +230,7 @@ class Node:
         if store is None:
             return
         v = m.target_version
-        if v % store.anchor_every == 0:
+        if m.is_snapshot or v % store.anchor_every == 0:
             await asyncio.to_thread(store.put_anchor, v, new)
         else:
             await asyncio.to_thread(store.put_delta, m, chunks)

@@ -53,7 +53,7 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport}")
+    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync}")
     c = bs.add_parser("codec", help="delta sizes vs published designs, and codec throughput",
                       description="Train a small transformer a few AdamW steps (lr 1e-6 and 1e-5), plus synthetic "
                       "densities, and compare delta sizes and throughput.")  # fmt: skip
@@ -76,6 +76,21 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     t.add_argument("--losses", default="0,0.001,0.01", help="loss rates on the emulated link (default 0,0.001,0.01)")
     t.add_argument("--no-wan", action="store_true", help="loopback only (no namespaces needed)")
     t.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    y = bs.add_parser("sync", help="publication-to-last-commit time over an emulated 4-region WAN",
+                      description="On the WAN emulator (root: four network namespaces; the trainer's region joined "
+                      "to three others by 100 Mbit/s 50 ms links), run real aurora node processes (two rollouts "
+                      "per region, one relay per remote region in a tree) and time each version from its "
+                      "publication to the last rollout's commit, for full weights and deltas, as a star and "
+                      "down the relay tree. Prints each time with its lower bound (bytes over the busiest WAN "
+                      "link at the link rate, plus the RTTs of the deepest path), the ratio to it, and the "
+                      "speed-up over the full-weight star.")  # fmt: skip
+    y.add_argument("--params", default="25M", help="model sizes in bf16 parameters, comma-separated (default 25M)")
+    y.add_argument("--densities", default="0.01,0.05", help="fractions changed per step (default 0.01,0.05)")
+    y.add_argument("--versions", type=int, default=3, help="versions timed per configuration (default 3)")
+    y.add_argument("--slow-start-after-idle", action="store_true",
+                   help="keep the kernel default tcp_slow_start_after_idle=1 on the emulated hosts (by default the "
+                   "bench sets 0, the recommended setting for trainers and relays: see docs/deploy.md)")  # fmt: skip
+    y.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -290,6 +305,37 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    t = text.strip().upper()
+    scale = {"K": 1_000, "M": 1_000_000, "G": 1_000_000_000}.get(t[-1:], 1)
+    return int(float(t[:-1] if scale != 1 else t) * scale)
+
+
+def cmd_bench_sync(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from aurora.bench.sync import run, table
+
+    try:
+        params = [_count(x) for x in args.params.split(",") if x.strip()]
+        densities = [float(x) for x in args.densities.split(",") if x.strip()]
+    except ValueError:
+        raise AuroraError(f"--params (e.g. 25M,50M) or --densities (e.g. 0.01,0.05) is malformed: "
+                          f"{args.params!r}, {args.densities!r}") from None  # fmt: skip
+    if not params or any(p < 1000 for p in params):
+        raise AuroraError(f"--params must be sizes of at least 1000 parameters, got {args.params!r}")
+    if not densities or any(not 0 < d <= 1 for d in densities):
+        raise AuroraError(f"--densities must each be in (0, 1], got {args.densities!r}")
+    if args.versions < 1:
+        raise AuroraError("--versions must be at least 1")
+    results = run(params=params, densities=densities, versions=args.versions,
+                  slow_start_after_idle=args.slow_start_after_idle, progress=lambda m: print(m, flush=True))  # fmt: skip
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in results], indent=1))
+    return 0
+
+
 def cmd_topology_check(args: argparse.Namespace) -> int:
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
@@ -393,6 +439,7 @@ COMMANDS = {
     ("bench", "codec"): cmd_bench_codec,
     ("bench", "actors"): cmd_bench_actors,
     ("bench", "transport"): cmd_bench_transport,
+    ("bench", "sync"): cmd_bench_sync,
     ("keys", "generate"): cmd_keys_generate,
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,

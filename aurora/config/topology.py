@@ -143,6 +143,12 @@ class PlanSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SyncSpec:
+    full_weights: bool = False
+    """Send every version as full weights instead of a delta: the baseline `aurora bench sync` measures."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSpec:
     steps: int = 10
 
@@ -158,6 +164,7 @@ class Topology:
     staleness: StalenessSpec = field(default_factory=StalenessSpec)
     plan: PlanSpec = field(default_factory=PlanSpec)
     run: RunSpec = field(default_factory=RunSpec)
+    sync: SyncSpec = field(default_factory=SyncSpec)
     learner: dict[str, Any] = field(default_factory=dict)
     """The learner's section (filled by the RL issue)."""
     engine: dict[str, Any] = field(default_factory=dict)

@@ -85,6 +85,18 @@ class Host:
     def run(self, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
 
+    def sysctl(self, key: str, value: str) -> None:
+        """Set a per-namespace sysctl (e.g. ``net.ipv4.tcp_slow_start_after_idle``) in this host only."""
+        _sh("ip", "netns", "exec", self.ns, "sysctl", "-q", "-w", f"{key}={value}")
+
+    def add_address(self, addr: str) -> None:
+        """Give this host ``addr`` (a private 10.x address) on its loopback, reachable over routes to it."""
+        _sh("ip", "-n", self.ns, "addr", "add", f"{addr}/32", "dev", "lo")
+
+    def route(self, addr: str, dev: str) -> None:
+        """Send traffic for ``addr`` out of this host's device ``dev`` (one end of a link)."""
+        _sh("ip", "-n", self.ns, "route", "add", f"{addr}/32", "dev", dev)
+
 
 @dataclass(frozen=True)
 class Link:
@@ -92,12 +104,17 @@ class Link:
     b: Host
     addr_a: str
     addr_b: str
+    dev_a: str
+    dev_b: str
     rate_mbit: float | None
     rtt_ms: float
     loss: float
 
     def addr_of(self, host: Host) -> str:
         return self.addr_a if host is self.a else self.addr_b
+
+    def dev_of(self, host: Host) -> str:
+        return self.dev_a if host is self.a else self.dev_b
 
 
 class Wan:
@@ -151,7 +168,7 @@ class Wan:
                 _sh("tc", "-n", h.ns, "qdisc", "add", "dev", dev, "root", "tbf", *_tbf_args(rate_mbit, rtt_ms))
         if rtt_ms > 0 or loss > 0:
             self._start_delayline(a.ns, dev_a, b.ns, dev_b, rtt_ms / 2, loss, seed)
-        link = Link(a, b, addr_a, addr_b, rate_mbit, rtt_ms, loss)
+        link = Link(a, b, addr_a, addr_b, dev_a, dev_b, rate_mbit, rtt_ms, loss)
         self.links.append(link)
         return link
 

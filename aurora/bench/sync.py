@@ -1,0 +1,262 @@
+"""`aurora bench sync`: time from a version's publication to the last rollout committing it.
+
+On the WAN emulator: four regions (us, eu, asia, sa), one network namespace each;
+the trainer's region (us) is joined to each other region by a 100 Mbit/s, 50 ms RTT
+link (``tbf`` plus the userspace delay line); inside a region the nodes share the
+namespace (loopback, fast). Each region has two rollout nodes; in a relay tree each
+remote region also has one relay. Every node is a real ``aurora node`` process.
+
+Four configurations per model size and density: full weights or deltas (the
+topology's ``sync.full_weights``), sent as a star (every rollout a child of the
+trainer) or down the relay tree (one WAN crossing per region). The time of a version
+is the trainer's ``version_synced``: from the start of its publication (encoding
+included) to the trainer hearing the last node's commit notice. Versions published
+before every node attached, and the first one after (warm-up: first decode), are
+not counted; the median of the rest is reported.
+
+Next to each: the lower bound — the bytes that must cross the busiest WAN link (one
+copy per rollout behind it for a star, one copy for a tree) at the link rate, plus
+the tree depth (1 for a star, 2 for a tree) times the WAN RTT — and the ratio to it;
+and the floor, the same bytes plus a single one-way WAN delay, which no
+implementation can beat (the bound allows a round trip per tree level).
+
+The time is read from the nodes' logs — the trainer's ``version_published`` minus
+its ``publish_s`` (the start of publication, encoding included) to the last
+``version_committed`` of the other nodes: all processes share this host's clock.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from aurora.errors import AuroraError
+from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
+
+REGIONS = ["us", "eu", "asia", "sa"]
+ROLLOUTS_PER_REGION = 2
+LINK_MBIT = 100.0
+LINK_RTT_MS = 50.0
+LAN_RTT_MS = 0.5
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Config:
+    params: int
+    density: float
+    full: bool
+    tree: bool
+
+    @property
+    def name(self) -> str:
+        return f"{'full' if self.full else 'delta'} {'relay tree' if self.tree else 'star'}"
+
+
+@dataclass
+class Result:
+    config: Config
+    bytes: int
+    seconds: float
+    versions: int
+    lower_bound_s: float
+    """Bytes over the busiest WAN link at the link rate, plus tree depth x the WAN RTT."""
+    floor_s: float
+    """The same bytes plus one one-way WAN delay: what even an instant node could not beat."""
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.lower_bound_s
+
+
+def _addr(region: int) -> str:
+    return f"10.250.{region}.1"
+
+
+def topology(c: Config, *, interval_s: float, steps: int) -> str:
+    nodes = [f'  - {{name: trainer, role: trainer, region: us, listen: "tcp://{_addr(0)}:47000"}}']
+    for r, region in enumerate(REGIONS):
+        parent = "trainer"
+        if r and c.tree:
+            nodes.append(f'  - {{name: relay-{region}, role: relay, region: {region}, '
+                         f'listen: "tcp://{_addr(r)}:47001", parent: trainer}}')  # fmt: skip
+            parent = f"relay-{region}"
+        nodes += [f"  - {{name: rollout-{region}-{i + 1}, role: rollout, region: {region}, parent: {parent}}}"
+                  for i in range(ROLLOUTS_PER_REGION)]  # fmt: skip
+    wan = [f"  - {{regions: [us, {r}], bandwidth_mbit: {LINK_MBIT:g}, rtt_ms: {LINK_RTT_MS:g}}}" for r in REGIONS[1:]]
+    return "\n".join([
+        f"name: bench-sync-{'full' if c.full else 'delta'}-{'tree' if c.tree else 'star'}",
+        "regions:", *[f"  - {{name: {r}, rtt_ms: {LAN_RTT_MS:g}}}" for r in REGIONS],
+        "wan:", *wan,
+        "nodes:", *nodes,
+        # generous liveness: two cores carry every node, and full-weight decodes are long
+        "heartbeat: {interval_s: 0.5, suspect_after_s: 3.0, lost_after_s: 8.0}",
+        f"learner: {{kind: synthetic, params: {c.params}, tensors: 8, density: {c.density}, interval_s: {interval_s}}}",
+        f"sync: {{full_weights: {'true' if c.full else 'false'}}}",
+        f"run: {{steps: {steps}}}",
+        "",
+    ])  # fmt: skip
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _at(e: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+class _Cluster:
+    """The configuration's nodes as processes in their regions' namespaces."""
+
+    def __init__(self, hosts: dict[str, Host], c: Config, work: Path, interval_s: float, steps: int) -> None:
+        self.hosts = hosts
+        self.work = work
+        self.path = work / "topology.yaml"
+        self.path.write_text(topology(c, interval_s=interval_s, steps=steps))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, region: str) -> None:
+        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
+                "--name", name]  # fmt: skip
+        with (self.work / f"{name}.log").open("wb") as err:
+            self.procs[name] = self.hosts[region].popen(argv, stdout=subprocess.DEVNULL, stderr=err)
+
+    def events(self, name: str, event: str) -> list[dict[str, Any]]:
+        return [e for e in _events(self.work / f"{name}.log") if e.get("event") == event]
+
+    def wait(self, cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            for n, p in self.procs.items():
+                if p.poll() is not None:
+                    tail = (self.work / f"{n}.log").read_text(errors="replace")[-1500:]
+                    raise AuroraError(f"bench sync: node {n!r} exited with {p.returncode} ({what}): {tail}")
+            if time.monotonic() > deadline:
+                raise AuroraError(f"bench sync: timed out waiting for {what} (logs in {self.work})")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            end_process_group(p)
+
+
+def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, progress: Callable[[str], None]) -> Result:
+    size = c.params * 2  # bf16
+    copies = ROLLOUTS_PER_REGION if not c.tree else 1
+    est = (size if c.full else size * c.density * 4) * copies / (LINK_MBIT * 1e6 / 8)
+    interval = max(2.0, 1.5 * est + 1.0)
+    steps = 1_000_000  # the trainer keeps publishing; the cluster is stopped once enough versions are timed
+    cl = _Cluster(hosts, c, work, interval, steps)
+    progress(f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s")
+    try:
+        cl.start("trainer", "us")
+        cl.wait(lambda: bool(cl.events("trainer", "node_started")), START_TIMEOUT_S, "the trainer to start")
+        relays = [(f"relay-{r}", r) for r in REGIONS[1:]] if c.tree else []
+        for n, r in relays:
+            cl.start(n, r)
+        cl.wait(lambda: all(cl.events(n, "parent_attached") for n, _ in relays), START_TIMEOUT_S, "the relays")
+        rollouts = [(f"rollout-{r}-{i + 1}", r) for r in REGIONS for i in range(ROLLOUTS_PER_REGION)]
+        for n, r in rollouts:
+            cl.start(n, r)
+        cl.wait(lambda: all(cl.events(n, "parent_attached") for n, _ in rollouts), START_TIMEOUT_S, "the rollouts")
+        ready = max(_at(cl.events(n, "parent_attached")[-1]) for n, _ in relays + rollouts)
+
+        others = [n for n, _ in relays + rollouts]
+
+        def timed() -> dict[int, tuple[int, float]]:
+            """version -> (bytes, publication start to the last commit), from the logs (one clock: one host)."""
+            commits: dict[int, list[float]] = {}
+            for n in others:
+                for e in cl.events(n, "version_committed"):
+                    commits.setdefault(e["version"], []).append(_at(e))
+            out = {}
+            for e in cl.events("trainer", "version_published"):
+                began, got = _at(e) - float(e["publish_s"]), commits.get(e["version"], [])
+                if began > ready and len(got) == len(others):
+                    out[e["version"]] = (int(e["bytes"]), max(got) - began)
+            return dict(sorted(out.items())[1:])  # the first one after attaching is warm-up
+
+        cl.wait(lambda: len(timed()) >= versions, (versions + 2) * (interval + 2 * est + 30), f"{versions} versions")
+        counted = list(timed().values())[:versions]
+        nbytes = int(statistics.median(b for b, _ in counted))
+        secs = statistics.median(t for _, t in counted)
+    finally:
+        cl.stop()
+    depth = 2 if c.tree else 1
+    rate = LINK_MBIT * 1e6 / 8
+    lower = nbytes * copies / rate + depth * LINK_RTT_MS / 1e3
+    floor = nbytes * copies / rate + LINK_RTT_MS / 2e3
+    return Result(c, nbytes, secs, len(counted), lower, floor)
+
+
+def _emulator(*, slow_start_after_idle: bool) -> tuple[Wan, dict[str, Host]]:
+    wan = Wan()
+    try:
+        hosts = {r: wan.host(r) for r in REGIONS}
+        for h in hosts.values():
+            h.sysctl("net.ipv4.tcp_slow_start_after_idle", "1" if slow_start_after_idle else "0")
+        hosts["us"].add_address(_addr(0))
+        for i, r in enumerate(REGIONS[1:], start=1):
+            link = wan.link(hosts["us"], hosts[r], rate_mbit=LINK_MBIT, rtt_ms=LINK_RTT_MS, seed=i)
+            hosts[r].add_address(_addr(i))
+            hosts["us"].route(_addr(i), link.dev_of(hosts["us"]))
+            hosts[r].route(_addr(0), link.dev_of(hosts[r]))
+        return wan, hosts
+    except BaseException:
+        wan.close()
+        raise
+
+
+def run(*, params: list[int], densities: list[float], versions: int = 3, slow_start_after_idle: bool = False,
+        progress: Callable[[str], None] = print) -> list[Result]:  # fmt: skip
+    reason = unavailable_reason()
+    if reason is not None:
+        raise AuroraError(f"bench sync needs the WAN emulator: {reason}")
+    results: list[Result] = []
+    wan, hosts = _emulator(slow_start_after_idle=slow_start_after_idle)
+    progress(f"WAN emulator: {' '.join(REGIONS)}; us <-> each other region {LINK_MBIT:g} Mbit/s, {LINK_RTT_MS:g} ms RTT; "
+             f"tcp_slow_start_after_idle={int(slow_start_after_idle)} on every host")  # fmt: skip
+    with wan, tempfile.TemporaryDirectory(prefix="aurora-bench-sync-") as tmp:
+        for p in params:
+            # full weights do not depend on the density: measured once per size
+            configs = [Config(p, densities[0], True, False), Config(p, densities[0], True, True)]
+            configs += [Config(p, d, False, tree) for d in densities for tree in (False, True)]
+            for i, c in enumerate(configs):
+                work = Path(tmp) / f"{p}-{i}"
+                work.mkdir()
+                results.append(measure(hosts, c, work, versions=versions, progress=progress))
+                r = results[-1]
+                progress(f"    {r.seconds * 1e3:.0f} ms (lower bound {r.lower_bound_s * 1e3:.0f} ms, floor {r.floor_s * 1e3:.0f} ms), "
+                         f"{r.bytes / 1e6:.2f} MB per version")  # fmt: skip
+    return results
+
+
+def table(results: list[Result]) -> str:
+    head = (f"{'params':>7} {'density':>7}  {'config':<16} {'MB/version':>10} {'time ms':>8} {'bound ms':>8} "
+            f"{'ratio':>5} {'floor ms':>8}  {'vs full star':>12}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in results:
+        full_star = next(x for x in results if x.config.params == r.config.params and x.config.full
+                         and not x.config.tree)  # fmt: skip
+        density = "-" if r.config.full else f"{r.config.density:g}"
+        lines.append(f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<16} {r.bytes / 1e6:>10.3f} "
+                     f"{r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} {r.floor_s * 1e3:>8.0f}  "
+                     f"{full_star.seconds / r.seconds:>11.1f}x")  # fmt: skip
+    return "\n".join(lines)
