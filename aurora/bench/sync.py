@@ -9,10 +9,8 @@ remote region also has one relay. Every node is a real ``aurora node`` process.
 Four configurations per model size and density: full weights or deltas (the
 topology's ``sync.full_weights``), sent as a star (every rollout a child of the
 trainer) or down the relay tree (one WAN crossing per region). The time of a version
-is the trainer's ``version_synced``: from the start of its publication (encoding
-included) to the trainer hearing the last node's commit notice. Versions published
-before every node attached, and the first one after (warm-up: first decode), are
-not counted; the median of the rest is reported.
+runs from the start of its publication (encoding included) to the last node's
+commit; the median over the timed versions is reported.
 
 Next to each: the lower bound — the bytes that must cross the busiest WAN link (one
 copy per rollout behind it for a star, one copy for a tree) at the link rate, plus
@@ -23,6 +21,10 @@ implementation can beat (the bound allows a round trip per tree level).
 The time is read from the nodes' logs — the trainer's ``version_published`` minus
 its ``publish_s`` (the start of publication, encoding included) to the last
 ``version_committed`` of the other nodes: all processes share this host's clock.
+Only versions whose publication began after every node held its first weights (the
+snapshot a node gets on attaching) count, and the first of those is warm-up. (The
+trainer's own live figure, ``version_synced``, also counts the commit notices' trip
+back up, so it reads about one one-way delay higher.)
 """
 
 from __future__ import annotations
@@ -176,9 +178,11 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         for n, r in rollouts:
             cl.start(n, r)
         cl.wait(lambda: all(cl.events(n, "parent_attached") for n, _ in rollouts), START_TIMEOUT_S, "the rollouts")
-        ready = max(_at(cl.events(n, "parent_attached")[-1]) for n, _ in relays + rollouts)
-
         others = [n for n, _ in relays + rollouts]
+        # ready once every node holds weights (its first commit: the snapshot it got on attaching)
+        cl.wait(lambda: all(cl.events(n, "version_committed") for n in others), START_TIMEOUT_S + 20 * est,
+                "every node's first weights")  # fmt: skip
+        ready = max(_at(cl.events(n, "version_committed")[0]) for n in others)
 
         def timed() -> dict[int, tuple[int, float]]:
             """version -> (bytes, publication start to the last commit), from the logs (one clock: one host)."""
