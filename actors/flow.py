@@ -54,6 +54,11 @@ Persist = Callable[[Manifest, list[bytes]], Awaitable[None]]
 class _Stored:
     manifest: bytes
     chunks: list[bytes | None] = field(default_factory=list)
+    snapshot: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return all(c is not None for c in self.chunks)
 
 
 @dataclass
@@ -114,7 +119,7 @@ class VersionFlow:
         m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
                                   target_version=target)  # fmt: skip
         n = m.n_chunks
-        stored = _Stored(pack_manifest(m), [None] * n)
+        stored = _Stored(pack_manifest(m), [None] * n, m.is_snapshot)
         self._remember(target, stored)
         self.router.delta_started(DeltaInfo(self.version, target, n))
         await self._run(self.router.commands())
@@ -160,7 +165,7 @@ class VersionFlow:
         streamed = self.version is not None and m.target_version == self.version + 1
         self._incoming = _Incoming(m, rx, streamed)
         if streamed:
-            self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks))
+            self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
             self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks))
 
     async def _chunk(self, target: int, i: int, data: bytes) -> int | None:
@@ -221,14 +226,13 @@ class VersionFlow:
                 await self._catch_up(ch, cmd)
 
     async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
-        chain = range((cmd.from_version or 0) + 1, cmd.to_version + 1)
-        complete = cmd.from_version is not None and all(
-            v in self.history and all(c is not None for c in self.history[v].chunks) for v in chain
-        )
-        if complete:
+        start = self._replay_from(cmd.from_version, cmd.to_version)
+        if start is not None:
+            chain = range(start, cmd.to_version + 1)
             for v in chain:
                 s = self.history[v]
-                await ch.send({"k": "delta_manifest", "base": v - 1, "target": v, "n": len(s.chunks)}, s.manifest)
+                base = None if s.snapshot else v - 1
+                await ch.send({"k": "delta_manifest", "base": base, "target": v, "n": len(s.chunks)}, s.manifest)
                 for i, c in enumerate(s.chunks):
                     assert c is not None
                     await ch.send({"k": "delta_chunk", "target": v, "i": i}, c)
@@ -245,6 +249,17 @@ class VersionFlow:
         for i, c in enumerate(snap.chunks):
             await ch.send({"k": "delta_chunk", "target": version, "i": i}, c)
         log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
+
+    def _replay_from(self, have: int | None, to: int) -> int | None:
+        """The first stored version of the shortest chain that brings a child holding ``have`` to
+        ``to``: back from ``to`` until the delta from ``have``, or a stored snapshot (full-weight
+        mode: one snapshot, not the whole chain of them). None when the history cannot."""
+        v = to
+        while v in self.history and self.history[v].complete:
+            if self.history[v].snapshot or v - 1 == have:
+                return v
+            v -= 1
+        return None
 
     def touched_since(self, version: int | None) -> frozenset[str] | None:
         """Tensors changed from ``version`` to the current one; None when not known (then: all)."""

@@ -61,6 +61,7 @@ from aurora.transport.zmq import LinkConfig, ZmqTransport
 
 from aurora.codec import Weights
 from aurora.codec.format import Manifest
+from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.topology import Topology
 from aurora.engine import make_engine
@@ -104,6 +105,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
     node = Node(name, topo, file)
+    await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
     elif spec.role == "rollout" and topo.engine:

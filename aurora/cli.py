@@ -89,7 +89,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     y.add_argument("--versions", type=int, default=3, help="versions timed per configuration (default 3)")
     y.add_argument("--slow-start-after-idle", action="store_true",
                    help="keep the kernel default tcp_slow_start_after_idle=1 on the emulated hosts (by default the "
-                   "bench sets 0, the recommended setting for trainers and relays: see docs/deploy.md)")  # fmt: skip
+                   "bench sets 0, the recommended setting for trainers and relays: see docs/operations.md)")  # fmt: skip
     y.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 

@@ -206,3 +206,30 @@ def test_the_tree_converges_after_any_fault_schedule(tmp_path_factory: pytest.Te
 def test_the_tree_converges_after_any_fault_schedule_many(tmp_path_factory: pytest.TempPathFactory,
                                                           schedule: list[tuple[Op, float]]) -> None:  # fmt: skip
     asyncio.run(_scenario(tmp_path_factory.mktemp("faults"), schedule))
+
+
+async def test_an_actor_crash_loop_stops_the_node_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose engine fails every batch is restarted with backoff, then the node gives up."""
+    from aurora.engine import SyntheticEngine
+    from aurora.errors import RestartIntensityExceeded
+
+    def broken(self: SyntheticEngine, prompts: Any, version: int) -> Any:
+        raise RuntimeError("the engine's device is gone")
+
+    monkeypatch.setattr(SyntheticEngine, "generate", broken)
+    monkeypatch.setattr("aurora.actors.node.RESTART_WINDOW_S", 60.0)
+    h = Harness(tmp_path)
+    for n in ("trainer", "relay-a", "relay-b", "r1"):
+        h.start(n)
+    try:
+        with pytest.raises(
+            RestartIntensityExceeded, match=r"child 'worker' exited \(crash: RuntimeError\(\"the engine's"
+        ):
+            async with asyncio.timeout(60):
+                await h.tasks["r1"]
+        assert not h.tasks["trainer"].done()  # one node's failure is its own
+    finally:
+        for n in list(h.tasks):
+            await h.kill(n)

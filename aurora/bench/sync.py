@@ -30,6 +30,7 @@ back up, so it reads about one one-way delay higher.)
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from aurora.codec.decoder import blank_weights, receive
+from aurora.codec.encoder import encode
+from aurora.codec.warm import warm_up
 from aurora.errors import AuroraError
+from aurora.learner import SyntheticLearner, SyntheticSpec
 from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]
@@ -74,6 +79,11 @@ class Result:
     """Bytes over the busiest WAN link at the link rate, plus tree depth x the WAN RTT."""
     floor_s: float
     """The same bytes plus one one-way WAN delay: what even an instant node could not beat."""
+    cpu_s: float
+    """CPU seconds all nodes together used per version while it was timed (this host's cores are shared)."""
+    encode_s: float
+    decode_s: float
+    """One version's encode and decode+commit, measured in the bench process, unloaded."""
 
     @property
     def ratio(self) -> float:
@@ -158,15 +168,54 @@ class _Cluster:
         for p in self.procs.values():
             end_process_group(p)
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by every node (each node's process group)."""
+        groups = {p.pid for p in self.procs.values()}
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) in groups:  # pgrp
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / tick
+
+
+def calibrate(c: Config) -> tuple[float, float]:
+    """(encode, decode) seconds of one version of this size and density in this process, unloaded."""
+    warm_up()
+    learner = SyntheticLearner(SyntheticSpec(params=c.params, tensors=8, density=c.density))
+    base = learner.initial().copy()
+    new = learner.step()
+    t0 = time.perf_counter()
+    d = encode(None if c.full else base, new, base_version=None if c.full else 0, target_version=1)
+    t1 = time.perf_counter()
+    held = base.copy()
+    held.digest()
+    t2 = time.perf_counter()
+    receive(d.manifest, d.chunks).stage(None if c.full else held).commit(
+        held if not c.full else blank_weights(d.manifest)
+    )
+    return t1 - t0, time.perf_counter() - t2
+
 
 def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, progress: Callable[[str], None]) -> Result:
     size = c.params * 2  # bf16
     copies = ROLLOUTS_PER_REGION if not c.tree else 1
     est = (size if c.full else size * c.density * 4) * copies / (LINK_MBIT * 1e6 / 8)
-    interval = max(2.0, 1.5 * est + 1.0)
+    enc, dec = calibrate(c)
+    nodes = len(REGIONS) * ROLLOUTS_PER_REGION + (len(REGIONS) - 1 if c.tree else 0)
+    cpu = enc + nodes * dec / (os.cpu_count() or 1)
+    # versions far enough apart that one is done before the next: the time is one version's, not a queue's
+    interval = max(2.0, 1.5 * est + 1.0, 3 * (cpu + est))
     steps = 1_000_000  # the trainer keeps publishing; the cluster is stopped once enough versions are timed
     cl = _Cluster(hosts, c, work, interval, steps)
-    progress(f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s")
+    progress(f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s "
+             f"(calibrated: encode {enc * 1e3:.0f} ms, decode {dec * 1e3:.0f} ms)")  # fmt: skip
     try:
         cl.start("trainer", "us")
         cl.wait(lambda: bool(cl.events("trainer", "node_started")), START_TIMEOUT_S, "the trainer to start")
@@ -197,7 +246,10 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
                     out[e["version"]] = (int(e["bytes"]), max(got) - began)
             return dict(sorted(out.items())[1:])  # the first one after attaching is warm-up
 
+        cl.wait(lambda: len(timed()) >= 1, 2 * interval + 2 * est + 60, "the warm-up version")
+        cpu0, n0 = cl.cpu_s(), len(cl.events("trainer", "version_published"))
         cl.wait(lambda: len(timed()) >= versions, (versions + 2) * (interval + 2 * est + 30), f"{versions} versions")
+        cpu_per_version = (cl.cpu_s() - cpu0) / max(1, len(cl.events("trainer", "version_published")) - n0)
         counted = list(timed().values())[:versions]
         nbytes = int(statistics.median(b for b, _ in counted))
         secs = statistics.median(t for _, t in counted)
@@ -207,7 +259,7 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
     rate = LINK_MBIT * 1e6 / 8
     lower = nbytes * copies / rate + depth * LINK_RTT_MS / 1e3
     floor = nbytes * copies / rate + LINK_RTT_MS / 2e3
-    return Result(c, nbytes, secs, len(counted), lower, floor)
+    return Result(c, nbytes, secs, len(counted), lower, floor, cpu_per_version, enc, dec)
 
 
 def _emulator(*, slow_start_after_idle: bool) -> tuple[Wan, dict[str, Host]]:
@@ -253,14 +305,18 @@ def run(*, params: list[int], densities: list[float], versions: int = 3, slow_st
 
 
 def table(results: list[Result]) -> str:
+    cores = os.cpu_count() or 1
     head = (f"{'params':>7} {'density':>7}  {'config':<16} {'MB/version':>10} {'time ms':>8} {'bound ms':>8} "
-            f"{'ratio':>5} {'floor ms':>8}  {'vs full star':>12}")  # fmt: skip
+            f"{'ratio':>5} {'floor ms':>8} {'vs full star':>12}  {'CPU s/version':>13} {'enc ms':>6} {'dec ms':>6}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
         full_star = next(x for x in results if x.config.params == r.config.params and x.config.full
                          and not x.config.tree)  # fmt: skip
         density = "-" if r.config.full else f"{r.config.density:g}"
         lines.append(f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<16} {r.bytes / 1e6:>10.3f} "
-                     f"{r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} {r.floor_s * 1e3:>8.0f}  "
-                     f"{full_star.seconds / r.seconds:>11.1f}x")  # fmt: skip
+                     f"{r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} {r.floor_s * 1e3:>8.0f} "
+                     f"{full_star.seconds / r.seconds:>11.1f}x  {r.cpu_s:>13.2f} {r.encode_s * 1e3:>6.0f} "
+                     f"{r.decode_s * 1e3:>6.0f}")  # fmt: skip
+    lines.append(f"CPU s/version: all nodes' CPU per version while timed, on this host's {cores} cores; enc/dec: one "
+                 "version's encode and decode+commit on one core, unloaded.")  # fmt: skip
     return "\n".join(lines)
