@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from aurora.actors.flow import VersionFlow
@@ -57,19 +57,22 @@ from aurora.actors.work import (
     tell_or_drop,
 )  # fmt: skip
 from aurora.transport.base import Channel, Transport
-from aurora.transport.zmq import LinkConfig, ZmqTransport
+from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
 
 from aurora.codec import Weights
 from aurora.codec.format import Manifest
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
-from aurora.config.topology import Topology
+from aurora.config.topology import Topology, WebRtcSpec
 from aurora.engine import make_engine
 from aurora.errors import ConfigError, TransportClosed
 from aurora.learner import SyntheticLearner
 from aurora.protocol.leases import LeaseHolder
 from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
 from aurora.store import DeltaStore
+
+if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
+    from aurora.transport.webrtc import WebRtcTransport
 
 log = structlog.get_logger("aurora.node")
 
@@ -110,7 +113,9 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         await node.open_trainer(store)
     elif spec.role == "rollout" and topo.engine:
         node.engine = await asyncio.to_thread(make_engine, topo.engine, file)
-    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen)
+    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, **curve_options(topo, name, file))
+    if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
+        node.rtc = _rtc(topo, name, file)
     if observe is not None:
         observe(node)
     parent = tree.parent[name]
@@ -132,24 +137,58 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                                                               holder, stats)))  # fmt: skip
     sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2)
     node.sup = sup
-    async with asyncio.TaskGroup() as tg:
-        if spec.listen is not None:
-            await zt.listen_in(tg)
-        else:
-            zt.start_in(tg)
-        sup_task = await sup.start_in(tg)
-        log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs])
-        stopping = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-        log.info("node_stopping")
-        sup.stop()
-        try:
-            await sup_task  # raises RestartIntensityExceeded if that is why it ended
-        finally:
-            await zt.close()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            if spec.listen is not None:
+                await zt.listen_in(tg)
+            else:
+                zt.start_in(tg)
+            if node.rtc is not None:
+                node.rtc.start_in(tg)
+            sup_task = await sup.start_in(tg)
+            log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs])
+            stopping = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+            log.info("node_stopping")
+            sup.stop()
+            try:
+                await sup_task  # raises RestartIntensityExceeded if that is why it ended
+            finally:
+                await zt.close()
+    except BaseExceptionGroup as eg:  # one error (a crash loop, a bind failure): raise it as itself
+        if len(eg.exceptions) == 1 and isinstance(eg.exceptions[0], Exception):
+            raise eg.exceptions[0] from None
+        raise
+
+
+def curve_options(topo: Topology, name: str, file: str | None) -> dict[str, Any]:
+    """`ZmqTransport` keyword arguments for CurveZMQ when the topology sets keys: this node's key
+    pair (its ``secret_key_file``, relative to the topology file), every node's public key as
+    the servers' allowlist (a child may fail over to any parent), and the parents' public keys."""
+    spec = topo.node(name)
+    if spec.public_key is None or spec.secret_key_file is None:
+        return {}
+    import zmq.auth
+
+    i = next(k for k, n in enumerate(topo.nodes) if n.name == name)
+    where = Path(file).parent if file else Path()
+    path = where / spec.secret_key_file
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the CurveZMQ secret key {path}: {e}", file=file,
+                          path=f"nodes[{i}].secret_key_file") from None  # fmt: skip
+    if secret is None:
+        raise ConfigError(f"{path} holds no secret key (give the .key_secret file)", file=file,
+                          path=f"nodes[{i}].secret_key_file")  # fmt: skip
+    if public.decode() != spec.public_key:
+        raise ConfigError(f"the key pair in {path} does not match this node's public_key", file=file,
+                          path=f"nodes[{i}].public_key")  # fmt: skip
+    keys = {n.name: n.public_key.encode() for n in topo.nodes if n.public_key is not None}
+    return {"curve": CurveKeys(public, secret), "allowed_clients": set(keys.values()), "server_keys": keys}
 
 
 class Node:
@@ -170,6 +209,8 @@ class Node:
         self.worker_stats = WorkerStats()
         self.status = ClusterStatus([n.name for n in topo.nodes if n.role != "trainer"])
         self.sup: Supervisor | None = None
+        self.rtc: WebRtcTransport | None = None
+        """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
 
     async def open_trainer(self, store: Path | None) -> None:
         learner = SyntheticLearner.from_section(self.topo.learner, self.file)
@@ -287,9 +328,14 @@ class _Children(Actor):
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            while True:
-                ch = await self.zt.accept()
-                tg.create_task(_child(self.node, ch))
+            if self.node.rtc is not None:
+                tg.create_task(self._accept(self.node.rtc, tg))
+            await self._accept(self.zt, tg)
+
+    async def _accept(self, t: Transport, tg: asyncio.TaskGroup) -> None:
+        while True:
+            ch = await t.accept()
+            tg.create_task(_child(self.node, ch))
 
 
 class _Uplink(Actor):
@@ -339,6 +385,9 @@ async def _child(node: Node, ch: Channel) -> None:
             await ch.send({"k": "status", "snap": node.snapshot()})
             await ch.close("status sent")
             return
+        if hello.header.get("k") == "signal" and node.rtc is not None:
+            await _signalling(node.rtc, ch)
+            return
         if hello.header.get("k") != "version":
             log.warning("bad_hello", child=ch.peer, header=dict(hello.header))
             await ch.close("expected a version hello")
@@ -387,7 +436,18 @@ async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_
         parent = order[i % len(order)]
         addr = node.topo.node(parent).listen
         assert addr is not None  # checked when the topology was loaded
-        ch = await zt.connect(parent, addr)
+        signalling: asyncio.Future[None] | None = None
+        try:
+            if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
+                ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr)
+            else:
+                ch = await zt.connect(parent, addr)
+        except TransportClosed as e:
+            log.warning("parent_unreachable", parent=parent, reason=str(e))
+            await zt.disconnect(parent)
+            i = (i + 1) % len(order)
+            await asyncio.sleep(RETRY_PAUSE_S)
+            continue
         try:
             async with asyncio.timeout(lost_after_s):
                 await ch.send({"k": "version", "v": flow.version})  # waits until the parent is heard
@@ -403,10 +463,59 @@ async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_
             log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
         finally:
             place.parent = None
+            if signalling is not None:
+                signalling.cancel()
+                await ch.close("leaving this parent")
         await place.moved(None)
         await zt.disconnect(parent)
         i = (i + 1) % len(order)
         await asyncio.sleep(RETRY_PAUSE_S)
+
+
+def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
+    try:
+        from aurora.transport.webrtc import IceServer, RtcConfig, WebRtcTransport
+    except ImportError as e:
+        raise ConfigError(f"this topology uses WebRTC, which needs the webrtc extra (pip install "
+                          f"'aurora-rl[webrtc]'): {e}", file=file) from None  # fmt: skip
+    spec = topo.node(name)
+    hb = topo.heartbeat
+    ice: tuple[IceServer, ...] = ()
+    if isinstance(spec.transport, WebRtcSpec):
+        if spec.transport.rendezvous not in (None, spec.parent):
+            i = next(k for k, n in enumerate(topo.nodes) if n.name == name)
+            raise ConfigError("a rendezvous other than the node's parent is not supported yet (leave it unset)",
+                              file=file, path=f"nodes[{i}].transport.rendezvous")  # fmt: skip
+        ice = tuple(IceServer(s.urls, s.username, s.credential) for s in spec.transport.ice_servers)
+    cfg = RtcConfig(ice_servers=ice, heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s,
+                    lost_after_s=hb.lost_after_s)  # fmt: skip
+    return WebRtcTransport(name, cfg)
+
+
+async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str,
+                       addr: str) -> tuple[Channel, asyncio.Future[None]]:  # fmt: skip
+    """A WebRTC channel to ``parent``, signalled over a ZeroMQ channel to the parent (the rendezvous).
+    Returns the channel and the signalling loop (cancel it on leaving the parent)."""
+    sig = await zt.connect(parent, addr)
+    await sig.send({"k": "signal"})
+    loop = asyncio.ensure_future(rtc.serve_signalling(sig))
+    try:
+        ch = await rtc.connect_via(parent, sig)
+    except BaseException:
+        loop.cancel()
+        raise
+    log.info("webrtc_parent_connected", parent=parent)
+    return ch, loop
+
+
+async def _signalling(rtc: WebRtcTransport, ch: Channel) -> None:
+    """Answer a child's WebRTC offers on its signalling channel; ``from`` is the channel's own peer,
+    so a child cannot speak for another."""
+    log.info("signalling_for", child=ch.peer)
+    with contextlib.suppress(TransportClosed):
+        while True:
+            h = (await ch.recv()).header
+            rtc.on_signal({**h, "from": ch.peer}, ch)
 
 
 class _Cycle(Exception):

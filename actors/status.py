@@ -93,14 +93,23 @@ def render(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def fetch_status(topo: Topology, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Ask the trainer of ``topo`` for the gathered status over the control channel."""
+async def fetch_status(topo: Topology, timeout_s: float = 5.0, *, file: str | None = None,
+                       as_node: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Ask the trainer of ``topo`` for the gathered status over the control channel.
+
+    With CurveZMQ keys in the topology the client authenticates with node ``as_node``'s key
+    pair (default: the trainer's own, as on the trainer's machine)."""
+    from aurora.actors.node import curve_options
+
     t = topo.trainer
     if t.listen is None:
         raise AuroraError(f"the trainer {t.name!r} has no listen address to ask for status")
     hb = topo.heartbeat
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
-    zt = ZmqTransport(f"status-{os.getpid()}-{time.monotonic_ns()}", cfg=cfg)
+    curve = curve_options(topo, as_node or t.name, file)
+    if curve:
+        curve = {"curve": curve["curve"], "server_keys": {t.name: curve["server_keys"][t.name]}}
+    zt = ZmqTransport(f"status-{os.getpid()}-{time.monotonic_ns()}", cfg=cfg, **curve)
     try:
         async with asyncio.TaskGroup() as tg:
             zt.start_in(tg)

@@ -87,9 +87,6 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     y.add_argument("--params", default="25M", help="model sizes in bf16 parameters, comma-separated (default 25M)")
     y.add_argument("--densities", default="0.01,0.05", help="fractions changed per step (default 0.01,0.05)")
     y.add_argument("--versions", type=int, default=3, help="versions timed per configuration (default 3)")
-    y.add_argument("--slow-start-after-idle", action="store_true",
-                   help="keep the kernel default tcp_slow_start_after_idle=1 on the emulated hosts (by default the "
-                   "bench sets 0, the recommended setting for trainers and relays: see docs/operations.md)")  # fmt: skip
     y.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
@@ -167,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("topology", type=Path, help="the topology YAML file of the running cluster")
     st.add_argument("--watch", type=float, default=None, metavar="S", help="print it again every S seconds")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--as", dest="as_node", default=None, metavar="NODE",
+                    help="with CurveZMQ keys: authenticate with this node's key pair (default: the trainer's)")  # fmt: skip
     return p
 
 
@@ -328,8 +327,13 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
         raise AuroraError(f"--densities must each be in (0, 1], got {args.densities!r}")
     if args.versions < 1:
         raise AuroraError("--versions must be at least 1")
-    results = run(params=params, densities=densities, versions=args.versions,
-                  slow_start_after_idle=args.slow_start_after_idle, progress=lambda m: print(m, flush=True))  # fmt: skip
+    import signal
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwinds through the emulator's cleanup (namespaces, processes)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    results = run(params=params, densities=densities, versions=args.versions, progress=lambda m: print(m, flush=True))
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in results], indent=1))
@@ -403,7 +407,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     topo = load_topology(args.topology)
     while True:
-        snap = asyncio.run(fetch_status(topo))
+        snap = asyncio.run(fetch_status(topo, file=str(args.topology), as_node=args.as_node))
         print(json.dumps(snap) if args.json else render(snap), flush=True)
         if args.watch is None:
             return 0

@@ -103,7 +103,7 @@ class Cluster:
     def display(self) -> str:
         """The trainer's gathered status (the control channel), or the versions seen in the logs until then."""
         try:
-            return render(asyncio.run(fetch_status(self.topo, timeout_s=2.0)))
+            return render(asyncio.run(fetch_status(self.topo, timeout_s=2.0, file=str(self.path))))
         except AuroraError:
             return self.line()
 

@@ -211,7 +211,7 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
     nodes = len(REGIONS) * ROLLOUTS_PER_REGION + (len(REGIONS) - 1 if c.tree else 0)
     cpu = enc + nodes * dec / (os.cpu_count() or 1)
     # versions far enough apart that one is done before the next: the time is one version's, not a queue's
-    interval = max(2.0, 1.5 * est + 1.0, 3 * (cpu + est))
+    interval = max(2.0, 3 * (cpu + est) + 1.0)
     steps = 1_000_000  # the trainer keeps publishing; the cluster is stopped once enough versions are timed
     cl = _Cluster(hosts, c, work, interval, steps)
     progress(f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s "
@@ -262,12 +262,10 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
     return Result(c, nbytes, secs, len(counted), lower, floor, cpu_per_version, enc, dec)
 
 
-def _emulator(*, slow_start_after_idle: bool) -> tuple[Wan, dict[str, Host]]:
+def _emulator() -> tuple[Wan, dict[str, Host]]:
     wan = Wan()
     try:
         hosts = {r: wan.host(r) for r in REGIONS}
-        for h in hosts.values():
-            h.sysctl("net.ipv4.tcp_slow_start_after_idle", "1" if slow_start_after_idle else "0")
         hosts["us"].add_address(_addr(0))
         for i, r in enumerate(REGIONS[1:], start=1):
             link = wan.link(hosts["us"], hosts[r], rate_mbit=LINK_MBIT, rtt_ms=LINK_RTT_MS, seed=i)
@@ -280,15 +278,16 @@ def _emulator(*, slow_start_after_idle: bool) -> tuple[Wan, dict[str, Host]]:
         raise
 
 
-def run(*, params: list[int], densities: list[float], versions: int = 3, slow_start_after_idle: bool = False,
+def run(*, params: list[int], densities: list[float], versions: int = 3,
         progress: Callable[[str], None] = print) -> list[Result]:  # fmt: skip
     reason = unavailable_reason()
     if reason is not None:
         raise AuroraError(f"bench sync needs the WAN emulator: {reason}")
     results: list[Result] = []
-    wan, hosts = _emulator(slow_start_after_idle=slow_start_after_idle)
-    progress(f"WAN emulator: {' '.join(REGIONS)}; us <-> each other region {LINK_MBIT:g} Mbit/s, {LINK_RTT_MS:g} ms RTT; "
-             f"tcp_slow_start_after_idle={int(slow_start_after_idle)} on every host")  # fmt: skip
+    wan, hosts = _emulator()
+    progress(
+        f"WAN emulator: {' '.join(REGIONS)}; us <-> each other region {LINK_MBIT:g} Mbit/s, {LINK_RTT_MS:g} ms RTT"
+    )
     with wan, tempfile.TemporaryDirectory(prefix="aurora-bench-sync-") as tmp:
         for p in params:
             # full weights do not depend on the density: measured once per size

@@ -85,10 +85,6 @@ class Host:
     def run(self, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
 
-    def sysctl(self, key: str, value: str) -> None:
-        """Set a per-namespace sysctl (e.g. ``net.ipv4.tcp_slow_start_after_idle``) in this host only."""
-        _sh("ip", "netns", "exec", self.ns, "sysctl", "-q", "-w", f"{key}={value}")
-
     def add_address(self, addr: str) -> None:
         """Give this host ``addr`` (a private 10.x address) on its loopback, reachable over routes to it."""
         _sh("ip", "-n", self.ns, "addr", "add", f"{addr}/32", "dev", "lo")
