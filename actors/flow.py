@@ -42,6 +42,7 @@ from aurora.codec.encoder import encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
 from aurora.errors import ProtocolError
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
+from aurora.store import DeltaStore
 
 log = structlog.get_logger("aurora.actors.flow")
 
@@ -71,7 +72,8 @@ class _Incoming:
 
 class VersionFlow:
     def __init__(self, name: str, weights: Weights | None, version: int | None, *,
-                 keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False) -> None:  # fmt: skip
+                 keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False,
+                 store: DeltaStore | None = None) -> None:  # fmt: skip
         self.name = name
         self.weights = weights
         self.version = version
@@ -80,6 +82,10 @@ class VersionFlow:
         """Per committed version, the tensors its delta touched (None: a snapshot, everything)."""
         self.keep_versions = keep_versions
         self.full_weights = full_weights
+        self.store = store
+        """This node's versions on disk: a relay or rollout stores what it commits (anchors every
+        ``store.anchor_every`` versions, deltas between), so a restarted node resumes from it and a
+        child far behind gets one composed delta instead of a chain or a snapshot."""
         """Publish every version as a snapshot (the full-weight baseline of the benchmarks)."""
         self.router = VersionRouter(version)
         self.children: dict[str, Channel] = {}
@@ -194,6 +200,9 @@ class VersionFlow:
                 touched = frozenset(await asyncio.to_thread(staged.commit, w))
                 self.version, self.digest = target, inc.manifest.target_digest
         self._changed(target, touched)
+        if self.store is not None:
+            kept = self.history.get(target) if inc.streamed else None
+            await asyncio.to_thread(self._keep, inc.manifest, None if kept is None else kept.chunks)
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
@@ -225,8 +234,48 @@ class VersionFlow:
             elif isinstance(cmd, SendCatchUp):
                 await self._catch_up(ch, cmd)
 
+    def _keep(self, m: Manifest, chunks: list[bytes | None] | None) -> None:
+        """Store a committed version: its delta when the base is stored, else (or every
+        ``anchor_every`` versions) an anchor of the weights; then prune to recent versions."""
+        store, v = self.store, m.target_version
+        assert store is not None
+        assert self.weights is not None
+        latest = store.latest()
+        if latest is not None and v <= latest:
+            return  # already there (a restarted node catching up to what it had)
+        full = chunks is None or any(c is None for c in chunks) or m.is_snapshot or m.base_version != latest
+        if full or v % store.anchor_every == 0:
+            store.put_anchor(v, self.weights)
+        else:
+            assert chunks is not None
+            store.put_delta(m, [c for c in chunks if c is not None])
+        store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
+
+    async def _send_composed(self, ch: Channel, have: int) -> bool:
+        """One delta from the child's version (read back from the store) to the current one; False
+        when a snapshot would be as small (then the caller sends what it would have)."""
+        assert self.store is not None
+        async with self.weights_lock:
+            weights, version = self.weights, self.version
+            assert weights is not None
+            assert version is not None
+            base = await asyncio.to_thread(self.store.get, have)
+            d = await asyncio.to_thread(encode, base, weights, base_version=have, target_version=version)
+        if d.prefer_snapshot:
+            return False
+        await ch.send({"k": "delta_manifest", "base": have, "target": version, "n": len(d.chunks)},
+                      pack_manifest(d.manifest))  # fmt: skip
+        for i, c in enumerate(d.chunks):
+            await ch.send({"k": "delta_chunk", "target": version, "i": i}, c)
+        log.info("catch_up_sent", node=self.name, child=ch.peer, composed=True, base=have, version=version)
+        return True
+
     async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
         start = self._replay_from(cmd.from_version, cmd.to_version)
+        have = cmd.from_version
+        if (self.store is not None and have is not None and have in self.store
+                and (start is None or start < cmd.to_version) and await self._send_composed(ch, have)):  # fmt: skip
+            return  # two or more versions behind, or beyond the history: one composed delta
         if start is not None:
             chain = range(start, cmd.to_version + 1)
             for v in chain:

@@ -96,7 +96,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                    observe: Callable[[Node], None] | None = None) -> None:  # fmt: skip
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
-    ``store``: the trainer's version store (resume from its latest version); None keeps none.
+    ``store``: the node's version store (resume from its latest version); None keeps none.
     ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
     ``observe``: called with the `Node` once it is built (tests read its state)."""
     try:
@@ -111,8 +111,10 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
-    elif spec.role == "rollout" and topo.engine:
-        node.engine = await asyncio.to_thread(make_engine, topo.engine, file)
+    else:
+        await node.open_store(store)
+        if spec.role == "rollout" and topo.engine:
+            node.engine = await asyncio.to_thread(make_engine, topo.engine, file)
     zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, **curve_options(topo, name, file))
     if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
         node.rtc = _rtc(topo, name, file)
@@ -226,9 +228,22 @@ class Node:
                 version = latest
                 learner.restore(weights, version)
                 log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
-        self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights)
+        self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
+                                store=self.store)  # fmt: skip
         self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions,
                              arithmetic_prompts(learner.spec.seed))  # fmt: skip
+
+    async def open_store(self, store: Path | None) -> None:
+        """A relay's or rollout's store: resume from its latest version (then catch up from the parent)."""
+        if store is None:
+            return
+        self.store = DeltaStore(store)
+        latest = self.store.latest()
+        weights = None if latest is None else await asyncio.to_thread(self.store.get, latest)
+        if weights is not None:
+            log.info("node_resumed", version=latest, store=str(store), digest=weights.digest().hex()[:16])
+        self.flow = VersionFlow(self.name, weights, latest, full_weights=self.topo.sync.full_weights,
+                                store=self.store)  # fmt: skip
 
     def ref(self, actor: str) -> ActorRef | None:
         assert self.sup is not None

@@ -126,8 +126,10 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--role", choices=["trainer", "relay", "rollout"],
                    help="the node's role; checked against the topology (optional)")  # fmt: skip
     p.add_argument("--store", type=Path, default=None,
-                   help="trainer only: the version store directory; a restarted trainer resumes from its latest "
-                   "version (default: none, and a restart starts over at version 0)")  # fmt: skip
+                   help="the node's version store directory: a restarted node resumes from its latest version "
+                   "(a relay or rollout then catches up from its parent; a parent with a store sends a child "
+                   "several versions behind one composed delta). Default: none; a restarted trainer without "
+                   "one starts over at version 0")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

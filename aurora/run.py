@@ -71,8 +71,7 @@ class Cluster:
     def start(self, name: str) -> None:
         argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
                 "--name", name]  # fmt: skip
-        if self.topo.node(name).role == "trainer":
-            argv += ["--store", str(self.state / name)]
+        argv += ["--store", str(self.state / name)]
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self.procs[name] = p
         assert p.stderr is not None

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,3 +54,26 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def log_events(log: Path) -> list[dict[str, Any]]:
+    """The JSON events of a node's log file so far (a line being written is skipped)."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """Poll ``cond`` (a process's log, say) until true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)

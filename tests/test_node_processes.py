@@ -5,21 +5,18 @@ trainer's last version, bit-exact (the version's digest, as each node logs it)."
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.helpers import free_ports
+from tests.helpers import free_ports, log_events, wait_until
 
-STEPS = 30
+STEPS = 60
 
 
 def _topology(path: Path) -> Path:
@@ -41,10 +38,6 @@ run: {{steps: {STEPS}}}
     return path
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]]:
     topo = _topology(tmp_path / "t.yaml")
@@ -56,7 +49,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]]
             if n.startswith("rollout") and not all(_attached(logs[r]) for r in ("relay-a", "relay-b")):
                 # parents first, as `aurora run` will do: a child that finds its parent not yet
                 # attached is refused and takes its fallback (where it would then stay)
-                _wait(lambda: all(_attached(logs[r]) for r in ("relay-a", "relay-b")), 180, "the relays to attach")
+                wait_until(lambda: all(_attached(logs[r]) for r in ("relay-a", "relay-b")), 180, "the relays to attach")
             with logs[n].open("wb") as err:
                 argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(topo)]
                 procs[n] = subprocess.Popen([*argv, "--name", n], stdout=subprocess.DEVNULL, stderr=err,
@@ -69,24 +62,16 @@ def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]]
             p.wait()
 
 
-def _wait(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _attached(log: Path) -> str | None:
     """The parent this node last attached to, if any."""
     if not log.exists():
         return None
-    parents = [e["parent"] for e in _events(log) if e["event"] == "parent_attached"]
+    parents = [e["parent"] for e in log_events(log) if e["event"] == "parent_attached"]
     return parents[-1] if parents else None
 
 
 def _version(log: Path) -> int:
-    vs = [e["version"] for e in _events(log) if e["event"] == "version_committed"]
+    vs = [e["version"] for e in log_events(log) if e["event"] == "version_committed"]
     return max(vs, default=-1)
 
 
@@ -96,22 +81,22 @@ def test_killing_a_relay_mid_run_children_reattach_and_converge(
     procs, logs = cluster
     rollouts = ["rollout-1", "rollout-2", "rollout-3"]
     # generous: on a clean checkout six processes may compile the numba kernels at once on two cores
-    _wait(lambda: all(_version(logs[r]) >= 2 for r in rollouts), 180, "version 2 on every rollout")
+    wait_until(lambda: all(_version(logs[r]) >= 2 for r in rollouts), 180, "version 2 on every rollout")
     assert [_attached(logs[r]) for r in rollouts] == ["relay-a", "relay-a", "relay-b"]
     assert max(_version(logs[r]) for r in rollouts) < STEPS - 5, "the run ended before the kill"
     os.killpg(procs["relay-a"].pid, signal.SIGKILL)
-    _wait(lambda: all(_version(logs[r]) >= STEPS for r in rollouts), 60, f"version {STEPS} everywhere")
+    wait_until(lambda: all(_version(logs[r]) >= STEPS for r in rollouts), 60, f"version {STEPS} everywhere")
 
-    published = {e["version"]: e["digest"] for e in _events(logs["trainer"]) if e["event"] == "version_published"}
+    published = {e["version"]: e["digest"] for e in log_events(logs["trainer"]) if e["event"] == "version_published"}
     for r in rollouts:
-        committed = {e["version"]: e["digest"] for e in _events(logs[r]) if e["event"] == "version_committed"}
+        committed = {e["version"]: e["digest"] for e in log_events(logs[r]) if e["event"] == "version_committed"}
         assert committed[STEPS] == published[STEPS], r
-        versions = [e["version"] for e in _events(logs[r]) if e["event"] == "version_committed"]
+        versions = [e["version"] for e in log_events(logs[r]) if e["event"] == "version_committed"]
         assert versions == sorted(versions), f"{r} applied versions out of order: {versions}"
-    attached = {(r, e["parent"]) for r in rollouts for e in _events(logs[r]) if e["event"] == "parent_attached"}
+    attached = {(r, e["parent"]) for r in rollouts for e in log_events(logs[r]) if e["event"] == "parent_attached"}
     assert ("rollout-1", "trainer") in attached
     assert ("rollout-2", "relay-b") in attached
-    assert any(e["event"] == "parent_lost" for e in _events(logs["rollout-1"]))
+    assert any(e["event"] == "parent_lost" for e in log_events(logs["rollout-1"]))
 
     for n, p in procs.items():  # SIGTERM: a clean stop, exit code 0
         if n != "relay-a":

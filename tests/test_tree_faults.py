@@ -5,6 +5,8 @@ Seven real nodes (`aurora.actors.node.run_node`, the code `aurora node` runs) ov
 in a crash) and restarted, links are partitioned and healed, in orders hypothesis picks.
 After the schedule everything is healed and restarted, and the invariants are checked:
 
+Every node keeps a store, so a restarted node resumes from what it had and catches up.
+
 * every rollout converges to the trainer's last version, bit-exactly (its flow's weights
   and its engine's weights, read back, both hash to the trainer's digest);
 * within one life, a node commits versions strictly in increasing order (none skipped
@@ -95,7 +97,7 @@ class Harness:
                 self.pools.append(node.pool)
 
         self.tasks[name] = asyncio.create_task(run_node(
-            self.topo, self.tree, name, asyncio.Event(), store=self.store if name == "trainer" else None,
+            self.topo, self.tree, name, asyncio.Event(), store=self.store / name,
             transport=t, observe=seen))  # fmt: skip
 
     async def kill(self, name: str) -> None:
@@ -233,3 +235,35 @@ async def test_an_actor_crash_loop_stops_the_node_with_the_reason(
     finally:
         for n in list(h.tasks):
             await h.kill(n)
+
+
+async def test_a_node_far_behind_gets_one_composed_delta_and_a_restarted_relay_resumes(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    with capture_logs() as logs:
+        h.lives = logs
+        try:
+            for n in ("trainer", "relay-a", "relay-b", "r1", "r2"):
+                h.start(n)
+            async with asyncio.timeout(30):
+                while not (h.nodes.get("r1") and (h.nodes["r1"].flow.version or 0) >= 2):  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            await h.kill("r1")
+            await h.kill("relay-b")
+            behind = h.nodes["r1"].flow.version
+            async with asyncio.timeout(30):  # the trainer moves on with r2's results
+                while (h.nodes["trainer"].flow.version or 0) < (behind or 0) + 3:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            h.start("r1")
+            h.start("relay-b")
+            async with asyncio.timeout(30):
+                while not all(h.nodes[n].flow.version == STEPS for n in ("relay-a", "relay-b", "r1")):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            for n in list(h.tasks):
+                await h.kill(n)
+    assert len([e for e in logs if e["event"] == "node_resumed"]) == 2  # r1 and relay-b, from their stores
+    composed = [e for e in logs if e["event"] == "catch_up_sent" and e.get("composed")]
+    # (r1 may have been killed after committing its last version and before storing it)
+    assert any(e["child"] == "r1" and (behind or 0) - 1 <= e["base"] <= (behind or 0) for e in composed), composed
+    digest = h.nodes["trainer"].flow.digest
+    assert all(h.nodes[n].flow.digest == digest for n in ("relay-a", "relay-b", "r1"))

@@ -9,19 +9,17 @@ Every node ends on the trainer's last version, bit-exact (the version digest eac
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import free_ports
+from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 40
 NAMES = ["trainer", "relay", "rollout-1", "rollout-2", "rollout-3"]
@@ -48,35 +46,14 @@ run: {{steps: {STEPS}}}
     return path
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written
-    return out
-
-
 def _lives(log: Path) -> list[list[dict[str, Any]]]:
     """A node's log split at each start (a restarted node appends to the same file)."""
     out: list[list[dict[str, Any]]] = []
-    for e in _events(log):
+    for e in log_events(log):
         if not out or (e["event"] == "node_started" and any(x["event"] == "node_started" for x in out[-1])):
             out.append([])
         out[-1].append(e)
     return out
-
-
-def _wait(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 class Cluster:
@@ -100,7 +77,7 @@ class Cluster:
         p.wait()
 
     def ev(self, name: str, event: str) -> list[dict[str, Any]]:
-        return [e for e in _events(self.logs[name]) if e["event"] == event]
+        return [e for e in log_events(self.logs[name]) if e["event"] == event]
 
     def version(self, name: str) -> int:
         key = "version_published" if name == "trainer" else "version_committed"
@@ -113,7 +90,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     try:
         c.start("trainer")
         c.start("relay")
-        _wait(lambda: c.ev("relay", "parent_attached"), 180, "the relay to attach")
+        wait_until(lambda: c.ev("relay", "parent_attached"), 180, "the relay to attach")
         for r in NAMES[2:]:
             c.start(r)
         yield c
@@ -128,19 +105,19 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     c = cluster
     rollouts = NAMES[2:]
     # generous: on a clean checkout several processes compile the codec kernels at once on two cores
-    _wait(lambda: c.version("trainer") >= 2 and all(c.ev(r, "engine_switched") for r in rollouts), 180,
+    wait_until(lambda: c.version("trainer") >= 2 and all(c.ev(r, "engine_switched") for r in rollouts), 180,
           "work under way on every rollout")  # fmt: skip
 
     # 1. a rollout dies holding leases: they expire at the trainer and the run goes on without it
     c.kill("rollout-1")
     killed_at = c.version("trainer")
-    _wait(lambda: any(e["worker"] == "rollout-1" for e in c.ev("trainer", "lease_expired")), 10,
+    wait_until(lambda: any(e["worker"] == "rollout-1" for e in c.ev("trainer", "lease_expired")), 10,
           "rollout-1's leases to expire")  # fmt: skip
-    _wait(lambda: c.version("trainer") >= killed_at + 2, 60, "steps without rollout-1")
+    wait_until(lambda: c.version("trainer") >= killed_at + 2, 60, "steps without rollout-1")
 
     # 2. rollout-1 comes back: it catches up and gets work again
     c.start("rollout-1")
-    _wait(lambda: len(_lives(c.logs["rollout-1"])) == 2 and "work_started" in {e["event"] for e in _lives(
+    wait_until(lambda: len(_lives(c.logs["rollout-1"])) == 2 and "work_started" in {e["event"] for e in _lives(
         c.logs["rollout-1"])[1]}, 60, "rollout-1 to get work again")  # fmt: skip
 
     # 3. the trainer dies; restarted on its store it resumes from the last version it stored
@@ -148,13 +125,13 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     assert last < STEPS - 4, "the run ended before the trainer could be killed mid-run"
     c.kill("trainer")
     c.start("trainer")
-    _wait(lambda: c.ev("trainer", "trainer_resumed"), 60, "the trainer to resume")
+    wait_until(lambda: c.ev("trainer", "trainer_resumed"), 60, "the trainer to resume")
     resumed = c.ev("trainer", "trainer_resumed")[-1]["version"]
     # every version is stored before its last chunk leaves; the last one may be stored and not yet logged
     assert resumed in (last, last + 1)
 
-    _wait(lambda: all(c.version(n) >= STEPS for n in NAMES[1:]), 120, f"version {STEPS} everywhere")
-    _wait(lambda: c.version("trainer") >= STEPS, 1, "the trainer's last step")
+    wait_until(lambda: all(c.version(n) >= STEPS for n in NAMES[1:]), 120, f"version {STEPS} everywhere")
+    wait_until(lambda: c.version("trainer") >= STEPS, 1, "the trainer's last step")
 
     published: dict[int, str] = {}
     for e in c.ev("trainer", "version_published"):
