@@ -121,22 +121,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     if observe is not None:
         observe(node)
     parent = tree.parent[name]
-    specs: list[ChildSpec] = []
-    if spec.listen is not None:
-        specs.append(ChildSpec("children", actor=lambda: _Children(node, zt)))
-    if parent is not None:
-        order = [parent, *tree.fallbacks.get(name, ())]
-        specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, order, cfg.lost_after_s)))
-    if node.pool is not None:
-        pool = node.pool
-        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, node.flow, node.down)))
-        specs.append(ChildSpec("publisher", actor=lambda: _Publisher(node), restart="transient"))
-    if spec.role != "trainer":
-        specs.append(ChildSpec("reporter", actor=lambda: _Reporter(node)))
-    if node.engine is not None:
-        engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
-        specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
-                                                              holder, stats)))  # fmt: skip
+    specs = _actor_specs(node, zt, tree, cfg.lost_after_s)
     sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2)
     node.sup = sup
     try:
@@ -164,6 +149,29 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         if len(eg.exceptions) == 1 and isinstance(eg.exceptions[0], Exception):
             raise eg.exceptions[0] from None
         raise
+
+
+def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float) -> list[ChildSpec]:
+    """The node's actors by role, in start order (see the module docstring)."""
+    name, topo = node.name, node.topo
+    spec, parent = topo.node(name), tree.parent[name]
+    specs: list[ChildSpec] = []
+    if spec.listen is not None:
+        specs.append(ChildSpec("children", actor=lambda: _Children(node, zt)))
+    if parent is not None:
+        order = [parent, *tree.fallbacks.get(name, ())]
+        specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, order, lost_after_s)))
+    if node.pool is not None:
+        pool = node.pool
+        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, node.flow, node.down)))
+        specs.append(ChildSpec("publisher", actor=lambda: _Publisher(node), restart="transient"))
+    if spec.role != "trainer":
+        specs.append(ChildSpec("reporter", actor=lambda: _Reporter(node)))
+    if node.engine is not None:
+        engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
+        specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
+                                                              holder, stats)))  # fmt: skip
+    return specs
 
 
 def curve_options(topo: Topology, name: str, file: str | None) -> dict[str, Any]:
