@@ -159,6 +159,12 @@ class Coordinator(Actor):
             await asyncio.sleep(min(1.0, self.pool.leases.ttl_s / 4))
 
     async def receive(self, msg: Message) -> None:
+        try:
+            await self._handle(msg)
+        except (KeyError, TypeError, ValueError) as e:  # a malformed message: the sender's fault, dropped
+            log.warning("bad_work_message", k=msg.header.get("k"), worker=msg.header.get("w"), error=repr(e))
+
+    async def _handle(self, msg: Message) -> None:
         h, now = msg.header, time.monotonic()
         w = str(h["w"])
         k = h.get("k")
@@ -172,7 +178,13 @@ class Coordinator(Actor):
             if renewed:
                 await self.down({"k": "renewed", "w": w, "leases": [[x.item, x.token, x.ttl_s] for x in renewed]}, ())
         elif k == "result":
-            c = Completion(**msgpack.unpackb(msg.buffers[0]))
+            try:
+                c = Completion(**msgpack.unpackb(msg.buffers[0]))
+            except (IndexError, TypeError, ValueError, msgpack.UnpackException) as e:
+                # a bad result is the worker's fault: reject it, never crash the coordinator over it
+                log.warning("bad_result", worker=w, item=h.get("item"), error=repr(e))
+                await self.down({"k": "verdict", "w": w, "item": h.get("item"), "ok": False, "reason": "malformed"}, ())
+                return
             current = self.flow.version or 0
             why = self.pool.result(w, int(h["item"]), int(h["token"]), int(h["v"]), current, c, now)
             if why is not None:
