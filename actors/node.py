@@ -65,7 +65,7 @@ from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.topology import Topology, WebRtcSpec
 from aurora.engine import make_engine
-from aurora.errors import ConfigError, TransportClosed
+from aurora.errors import ConfigError, DeltaFormatError, ProtocolError, TransportClosed
 from aurora.learner import SyntheticLearner
 from aurora.protocol.leases import LeaseHolder
 from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
@@ -484,6 +484,8 @@ async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_
                 log.info("parent_refused", parent=parent, reason=answer.get("reason", "a cycle"))
         except (TransportClosed, TimeoutError, _Cycle) as e:
             log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
+        except (ProtocolError, DeltaFormatError) as e:  # a corrupt or out-of-order stream: try the next parent
+            log.error("parent_failed", parent=parent, error=str(e))
         finally:
             place.parent = None
             if signalling is not None:
