@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import free_ports, log_events, wait_until
 
-STEPS = 40
+STEPS = 80
 NAMES = ["trainer", "relay", "rollout-1", "rollout-2", "rollout-3"]
 
 
