@@ -120,7 +120,9 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        "chunk as it arrives. Rollout nodes with an engine section lease prompts from the "
                        "trainer's coordinator, generate with the engine and send results back up; results "
                        "outside the staleness bound or their lease are rejected. A node whose parent is lost "
-                       "re-attaches to its fallback parents and catches up. WebRTC parents are not wired yet.")  # fmt: skip
+                       "re-attaches to its fallback parents and catches up. A node whose transport is webrtc reaches "
+                       "its parent over a WebRTC data channel, signalled through the parent; CurveZMQ keys in the "
+                       "topology are used when set. Logs are structlog JSON lines (console on a terminal).")  # fmt: skip
     p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     p.add_argument("--name", required=True, help="this node's name in the topology")
     p.add_argument("--role", choices=["trainer", "relay", "rollout"],
