@@ -7,9 +7,11 @@ with `structlog.contextvars.bind_contextvars`.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import structlog
 
@@ -48,3 +50,18 @@ def configure(level: str = "info", fmt: Format = "auto") -> None:
 def get_logger(name: str | None = None) -> structlog.types.FilteringBoundLogger:
     log: structlog.types.FilteringBoundLogger = structlog.get_logger(name)
     return log
+
+
+def read_events(log: Path) -> list[dict[str, Any]]:
+    """The JSON events in a node's log file so far (other lines, and a line still being written,
+    are skipped; a missing file has none). For `aurora run`'s log files and the benchmarks."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out

@@ -29,7 +29,6 @@ back up, so it reads about one one-way delay higher.)
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ from aurora.codec.encoder import encode
 from aurora.codec.warm import warm_up
 from aurora.errors import AuroraError
 from aurora.learner import SyntheticLearner, SyntheticSpec
+from aurora.logs import read_events
 from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]
@@ -119,17 +119,6 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
     ])  # fmt: skip
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
 def _at(e: dict[str, Any]) -> float:
     return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
 
@@ -151,7 +140,7 @@ class _Cluster:
             self.procs[name] = self.hosts[region].popen(argv, stdout=subprocess.DEVNULL, stderr=err)
 
     def events(self, name: str, event: str) -> list[dict[str, Any]]:
-        return [e for e in _events(self.work / f"{name}.log") if e.get("event") == event]
+        return [e for e in read_events(self.work / f"{name}.log") if e.get("event") == event]
 
     def wait(self, cond: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
