@@ -82,11 +82,11 @@ class VersionFlow:
         """Per committed version, the tensors its delta touched (None: a snapshot, everything)."""
         self.keep_versions = keep_versions
         self.full_weights = full_weights
+        """Publish every version as a snapshot (the full-weight baseline of the benchmarks)."""
         self.store = store
         """This node's versions on disk: a relay or rollout stores what it commits (anchors every
         ``store.anchor_every`` versions, deltas between), so a restarted node resumes from it and a
         child far behind gets one composed delta instead of a chain or a snapshot."""
-        """Publish every version as a snapshot (the full-weight baseline of the benchmarks)."""
         self.router = VersionRouter(version)
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
