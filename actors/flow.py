@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -263,10 +263,7 @@ class VersionFlow:
             d = await asyncio.to_thread(encode, base, weights, base_version=have, target_version=version)
         if d.prefer_snapshot:
             return False
-        await ch.send({"k": "delta_manifest", "base": have, "target": version, "n": len(d.chunks)},
-                      pack_manifest(d.manifest))  # fmt: skip
-        for i, c in enumerate(d.chunks):
-            await ch.send({"k": "delta_chunk", "target": version, "i": i}, c)
+        await _send_delta(ch, have, version, pack_manifest(d.manifest), d.chunks)
         log.info("catch_up_sent", node=self.name, child=ch.peer, composed=True, base=have, version=version)
         return True
 
@@ -280,11 +277,9 @@ class VersionFlow:
             chain = range(start, cmd.to_version + 1)
             for v in chain:
                 s = self.history[v]
-                base = None if s.snapshot else v - 1
-                await ch.send({"k": "delta_manifest", "base": base, "target": v, "n": len(s.chunks)}, s.manifest)
-                for i, c in enumerate(s.chunks):
-                    assert c is not None
-                    await ch.send({"k": "delta_chunk", "target": v, "i": i}, c)
+                await _send_delta(
+                    ch, None if s.snapshot else v - 1, v, s.manifest, [c for c in s.chunks if c is not None]
+                )
             log.info("catch_up_sent", node=self.name, child=ch.peer, versions=len(chain))
             return
         if self.weights is None:
@@ -293,10 +288,7 @@ class VersionFlow:
             weights, version = self.weights, self.version
             assert version is not None
             snap = await asyncio.to_thread(encode, None, weights, base_version=None, target_version=version)
-        await ch.send({"k": "delta_manifest", "base": None, "target": version, "n": len(snap.chunks)},
-                      pack_manifest(snap.manifest))  # fmt: skip
-        for i, c in enumerate(snap.chunks):
-            await ch.send({"k": "delta_chunk", "target": version, "i": i}, c)
+        await _send_delta(ch, None, version, pack_manifest(snap.manifest), snap.chunks)
         log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
 
     def _replay_from(self, have: int | None, to: int) -> int | None:
@@ -331,6 +323,13 @@ class VersionFlow:
         self.history[target] = stored
         while len(self.history) > self.keep_versions:
             self.history.popitem(last=False)
+
+
+async def _send_delta(ch: Channel, base: int | None, target: int, manifest: bytes, chunks: Sequence[bytes]) -> None:
+    """One whole delta (or snapshot, ``base`` None) to one child: the manifest, then every chunk."""
+    await ch.send({"k": "delta_manifest", "base": base, "target": target, "n": len(chunks)}, manifest)
+    for i, c in enumerate(chunks):
+        await ch.send({"k": "delta_chunk", "target": target, "i": i}, c)
 
 
 def _commit_snapshot(inc: _Incoming) -> Weights:
