@@ -21,8 +21,8 @@ a snapshot onto anything), so versions only move forward, one verified
 commit at a time; a chunk that fails verification raises `DeltaFormatError`
 and changes nothing. The weights change only under `weights_lock`, so a
 reader holding it (a rollout engine copying them) sees one whole version.
-On the trainer, `publish`'s ``persist`` hook runs before the version's last
-chunk leaves, so no child can commit a version the trainer has not stored.
+With a store, `publish` stores the version before its last chunk leaves, so no
+child can commit a version the trainer has not stored.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -47,8 +47,6 @@ from aurora.store import DeltaStore
 log = structlog.get_logger("aurora.actors.flow")
 
 DEFAULT_KEEP_VERSIONS = 8
-
-Persist = Callable[[Manifest, list[bytes]], Awaitable[None]]
 
 
 @dataclass
@@ -112,11 +110,11 @@ class VersionFlow:
             await self._run(self.router.commands())
 
     # -- the trainer's side
-    async def publish(self, new: Weights, persist: Persist | None = None) -> int:
+    async def publish(self, new: Weights) -> int:
         """Make ``new`` the next version and stream its delta to the children as it is encoded.
 
-        ``persist(manifest, chunks)`` (the trainer's store) is awaited once every chunk is
-        encoded and before the last one is routed."""
+        With a store, the version is stored once every chunk is encoded and before the last one
+        is routed."""
         if self.weights is None or self.version is None:
             raise ProtocolError("publish needs a current version to diff against", remote=False)
         t0 = time.monotonic()
@@ -133,8 +131,8 @@ class VersionFlow:
             # encoding runs in a thread (the kernels release the GIL) so heartbeats keep flowing
             c = await asyncio.to_thread(next, chunks)
             stored.chunks[i] = c
-            if i == n - 1 and persist is not None:
-                await persist(m, [x for x in stored.chunks if x is not None])
+            if i == n - 1 and self.store is not None:
+                await asyncio.to_thread(self._keep, m, stored.chunks, new)
             self.router.chunk_arrived(target, i)
             await self._run(self.router.commands())
         async with self.weights_lock:
@@ -202,7 +200,8 @@ class VersionFlow:
         self._changed(target, touched)
         if self.store is not None:
             kept = self.history.get(target) if inc.streamed else None
-            await asyncio.to_thread(self._keep, inc.manifest, None if kept is None else kept.chunks)
+            w = self.weights
+            await asyncio.to_thread(self._keep, inc.manifest, None if kept is None else kept.chunks, w, prune=True)
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
@@ -234,22 +233,23 @@ class VersionFlow:
             elif isinstance(cmd, SendCatchUp):
                 await self._catch_up(ch, cmd)
 
-    def _keep(self, m: Manifest, chunks: list[bytes | None] | None) -> None:
-        """Store a committed version: its delta when the base is stored, else (or every
-        ``anchor_every`` versions) an anchor of the weights; then prune to recent versions."""
+    def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, *, prune: bool = False) -> None:
+        """Store version ``m.target_version`` (``weights``): its delta when the base is the latest
+        stored version, else (or every ``anchor_every`` versions) an anchor; ``prune`` then drops
+        all but the recent versions (a relay's or rollout's store; the trainer's keeps them all)."""
         store, v = self.store, m.target_version
         assert store is not None
-        assert self.weights is not None
         latest = store.latest()
         if latest is not None and v <= latest:
             return  # already there (a restarted node catching up to what it had)
         full = chunks is None or any(c is None for c in chunks) or m.is_snapshot or m.base_version != latest
         if full or v % store.anchor_every == 0:
-            store.put_anchor(v, self.weights)
+            store.put_anchor(v, weights)
         else:
             assert chunks is not None
             store.put_delta(m, [c for c in chunks if c is not None])
-        store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
+        if prune:
+            store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
 
     async def _send_composed(self, ch: Channel, have: int) -> bool:
         """One delta from the child's version (read back from the store) to the current one; False

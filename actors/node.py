@@ -59,8 +59,6 @@ from aurora.actors.work import (
 from aurora.transport.base import Channel, Transport
 from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
 
-from aurora.codec import Weights
-from aurora.codec.format import Manifest
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.topology import Topology, WebRtcSpec
@@ -291,16 +289,6 @@ class Node:
         child = self.routes.child_for(str(header["w"]))
         return await send_or_drop(None if child is None else self.place.children.get(child), header, buffers)
 
-    async def persist(self, m: Manifest, chunks: list[bytes], new: Weights) -> None:
-        store = self.store
-        if store is None:
-            return
-        v = m.target_version
-        if m.is_snapshot or v % store.anchor_every == 0:
-            await asyncio.to_thread(store.put_anchor, v, new)
-        else:
-            await asyncio.to_thread(store.put_delta, m, chunks)
-
 
 class _Publisher(Actor):
     """The trainer's learner loop: step, then publish (stored before its last chunk leaves)."""
@@ -321,11 +309,7 @@ class _Publisher(Actor):
                 samples = []
             new = await asyncio.to_thread(learner.step, samples)
             node.status.on_published((node.flow.version or 0) + 1, time.monotonic())
-
-            async def persist(m: Manifest, chunks: list[bytes], new: Weights = new) -> None:
-                await node.persist(m, chunks, new)
-
-            v = await node.flow.publish(new, persist)
+            v = await node.flow.publish(new)  # stored before its last chunk leaves
             log.info("step", version=v, samples=len(samples), **pool.stats())
         log.info("steps_done", steps=steps, version=node.flow.version)
 
