@@ -96,7 +96,36 @@ class EngineSpec:
         return convert(cls, section, file=file, path="engine")
 
 
-class TorchEngine:
+class _VerifiedApply:
+    """The engines' shared half of the contract: the atomic, verified `apply`, and the
+    refusal to generate with any version but the one served. Subclasses copy tensors
+    from the host copy in `_copy` and read their weights back in `weights`."""
+
+    version: int | None
+
+    def weights(self) -> Weights:
+        raise NotImplementedError
+
+    def _copy(self, host: Weights, names: Collection[str] | None) -> None:
+        """Copy the named tensors (None: every one) from ``host`` into the engine."""
+        raise NotImplementedError
+
+    def apply(self, update: WeightUpdate) -> None:
+        self.version = None  # serving nothing until the check passes
+        self._copy(update.weights, update.touched)
+        if self.weights().digest() != update.digest:
+            self._copy(update.weights, None)
+            if self.weights().digest() != update.digest:
+                raise DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")
+        self.version = update.version
+
+    def _serving(self, version: int) -> None:
+        if self.version != version:
+            raise ProtocolError(f"engine serves version {self.version}, asked to generate with {version}",
+                                remote=False)  # fmt: skip
+
+
+class TorchEngine(_VerifiedApply):
     """`Engine` on a `Qwen3ForCausalLM`: fp32 compute over bf16-valued weights, KV-cached sampling.
 
     The parameters hold bf16 values in fp32 (a lossless widening), so reading
@@ -108,8 +137,6 @@ class TorchEngine:
         self.model = build_model(spec.model).float()
         self._params = dict(self.model.named_parameters())
         self.version: int | None = None
-        self.tokens_out = 0
-        self.busy_s = 0.0
 
     # -- weights
     def weights(self) -> Weights:
@@ -121,36 +148,24 @@ class TorchEngine:
         if names != set(self._params):
             missing, extra = sorted(set(self._params) - names), sorted(names - set(self._params))
             raise DeltaFormatError(f"weights do not fit the model: missing {missing[:3]}, unknown {extra[:3]}")
-        self.version = None  # serving nothing until the check passes
-        self._copy(update.weights, names if update.touched is None else update.touched)
-        if self.weights().digest() != update.digest:
-            self._copy(update.weights, names)
-            if self.weights().digest() != update.digest:
-                raise DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")
-        self.version = update.version
+        super().apply(update)
 
-    def _copy(self, host: Weights, names: Collection[str]) -> None:
+    def _copy(self, host: Weights, names: Collection[str] | None) -> None:
         tensors = host.to_tensors()
         with torch.no_grad():
-            for n in names:
+            for n in tensors if names is None else names:
                 self._params[n].copy_(tensors[n])
 
     # -- sampling
     def generate(self, prompts: Sequence[Prompt], version: int) -> list[Completion]:
-        if self.version != version:
-            raise ProtocolError(f"engine serves version {self.version}, asked to generate with {version}",
-                                remote=False)  # fmt: skip
+        self._serving(version)
         if not prompts:
             return []
-        t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(hash((self.spec.seed, version, tuple(p.id for p in prompts))) & 0x7FFF_FFFF)
         toks, lps = self._sample([self.tok.encode(p.text) for p in prompts], gen)
-        out = []
-        for p, t, lp in zip(prompts, toks, lps, strict=True):
-            out.append(Completion(p.id, self.tok.decode(t), t, lp, version))
-            self.tokens_out += len(t)
-        self.busy_s += time.perf_counter() - t0
-        return out
+        return [
+            Completion(p.id, self.tok.decode(t), t, lp, version) for p, t, lp in zip(prompts, toks, lps, strict=True)
+        ]
 
     @torch.no_grad()
     def _sample(self, prompts: list[list[int]], gen: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
@@ -183,7 +198,7 @@ class TorchEngine:
         return toks, lps
 
 
-class SyntheticEngine:
+class SyntheticEngine(_VerifiedApply):
     """A load generator with the `Engine` contract, for tests and benchmarks of the system around it.
 
     It keeps its own copy of the weights (applied and verified exactly as `TorchEngine`
@@ -202,25 +217,17 @@ class SyntheticEngine:
             raise ProtocolError("the engine holds no weights yet", remote=False)
         return self._weights
 
-    def apply(self, update: WeightUpdate) -> None:
-        self.version = None
+    def _copy(self, host: Weights, names: Collection[str] | None) -> None:
         mine = self._weights
-        if mine is None or set(mine) != set(update.weights) or update.touched is None:
-            self._weights = update.weights.copy()
-        else:
-            for n in update.touched:
-                mine[n].bits[:] = update.weights[n].bits
-            mine.forget_digests()
-        if self.weights().digest() != update.digest:
-            self._weights = update.weights.copy()
-            if self._weights.digest() != update.digest:
-                raise DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")
-        self.version = update.version
+        if names is None or mine is None or set(mine) != set(host):
+            self._weights = host.copy()
+            return
+        for n in names:
+            mine[n].bits[:] = host[n].bits
+        mine.forget_digests()
 
     def generate(self, prompts: Sequence[Prompt], version: int) -> list[Completion]:
-        if self.version != version:
-            raise ProtocolError(f"engine serves version {self.version}, asked to generate with {version}",
-                                remote=False)  # fmt: skip
+        self._serving(version)
         n = self.spec.max_new_tokens
         if prompts and self.spec.token_s:
             time.sleep(self.spec.token_s * n)
