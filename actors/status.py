@@ -74,13 +74,12 @@ def render(snap: dict[str, Any]) -> str:
     """One screenful: the trainer's line, then one line per node."""
     t = snap["trainer"]
     syncs = list(snap["sync_s"].values())
-    last = f"{syncs[-1] * 1e3:.0f} ms" if syncs else "-"
     rej = sum(t.get("rejected", {}).values())
-    lines = [f"trainer v{t['version']}  results accepted {t['accepted']} rejected {rej} "
-             f"(leased {t['in_flight']}, pooled {t['pending']})  sync last {last}, "
-             f"mean {sum(syncs) / len(syncs) * 1e3:.0f} ms" if syncs else
-             f"trainer v{t['version']}  results accepted {t['accepted']} rejected {rej} "
-             f"(leased {t['in_flight']}, pooled {t['pending']})"]  # fmt: skip
+    head = (f"trainer v{t['version']}  results accepted {t['accepted']} rejected {rej} "
+            f"(leased {t['in_flight']}, pooled {t['pending']})")  # fmt: skip
+    if syncs:
+        head += f"  sync last {syncs[-1] * 1e3:.0f} ms, mean {sum(syncs) / len(syncs) * 1e3:.0f} ms"
+    lines = [head]
     for name, r in sorted(snap["nodes"].items()):
         parts = [f"{name:<12} v{'-' if r.get('version') is None else r['version']:<4} via {r.get('parent') or '-':<10}",
                  f"in {r.get('bytes_in', 0) / 1e6:7.2f} MB"]  # fmt: skip

@@ -209,7 +209,6 @@ class Routes:
 # ---------------------------------------------------------------- rollout side
 @dataclass
 class WorkerStats:
-    batches: int = 0
     completions: int = 0
     accepted: int = 0
     rejected: int = 0
@@ -302,7 +301,6 @@ class Worker(Actor):
         t0 = time.perf_counter()
         done = await asyncio.to_thread(self.engine.generate, held, version)
         self.stats.generate_s += time.perf_counter() - t0
-        self.stats.batches += 1
         for c in done:
             self.stats.completions += 1
             self.stats.tokens += len(c.tokens)
