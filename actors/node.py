@@ -437,48 +437,51 @@ async def _child(node: Node, ch: Channel) -> None:
 
 async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
     """Stay attached to the first parent in ``order`` that accepts, moving on when one is lost."""
-    flow, place = node.flow, node.place
     i = 0
     while True:
-        parent = order[i % len(order)]
-        addr = node.topo.node(parent).listen
-        assert addr is not None  # checked when the topology was loaded
-        signalling: asyncio.Future[None] | None = None
-        try:
-            if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
-                ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr)
-            else:
-                ch = await zt.connect(parent, addr)
-        except TransportClosed as e:
-            log.warning("parent_unreachable", parent=parent, reason=str(e))
-            await zt.disconnect(parent)
-            i = (i + 1) % len(order)
-            await asyncio.sleep(RETRY_PAUSE_S)
-            continue
-        try:
-            async with asyncio.timeout(lost_after_s):
-                await ch.send({"k": "version", "v": flow.version})  # waits until the parent is heard
-                answer = (await ch.recv()).header
-            if answer.get("k") == "path" and place.name not in answer.get("path", []):
-                await place.moved(list(answer["path"]))
-                place.parent = ch
-                log.info("parent_attached", parent=parent, version=flow.version, path=place.path)
-                await _from_parent(node, ch)
-            else:
-                log.info("parent_refused", parent=parent, reason=answer.get("reason", "a cycle"))
-        except (TransportClosed, TimeoutError, _Cycle) as e:
-            log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
-        except (ProtocolError, DeltaFormatError) as e:  # a corrupt or out-of-order stream: try the next parent
-            log.error("parent_failed", parent=parent, error=str(e))
-        finally:
-            place.parent = None
-            if signalling is not None:
-                signalling.cancel()
-                await ch.close("leaving this parent")
-        await place.moved(None)
+        parent = order[i]
+        await _stay_with(node, zt, parent, lost_after_s)
+        await node.place.moved(None)
         await zt.disconnect(parent)
         i = (i + 1) % len(order)
         await asyncio.sleep(RETRY_PAUSE_S)
+
+
+async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: float) -> None:
+    """Dial ``parent`` and follow its stream until it is unreachable, refuses, is lost or fails;
+    logs which."""
+    flow, place = node.flow, node.place
+    addr = node.topo.node(parent).listen
+    assert addr is not None  # checked when the topology was loaded
+    signalling: asyncio.Future[None] | None = None
+    try:
+        if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
+            ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr)
+        else:
+            ch = await zt.connect(parent, addr)
+    except TransportClosed as e:
+        log.warning("parent_unreachable", parent=parent, reason=str(e))
+        return
+    try:
+        async with asyncio.timeout(lost_after_s):
+            await ch.send({"k": "version", "v": flow.version})  # waits until the parent is heard
+            answer = (await ch.recv()).header
+        if answer.get("k") == "path" and place.name not in answer.get("path", []):
+            await place.moved(list(answer["path"]))
+            place.parent = ch
+            log.info("parent_attached", parent=parent, version=flow.version, path=place.path)
+            await _from_parent(node, ch)
+        else:
+            log.info("parent_refused", parent=parent, reason=answer.get("reason", "a cycle"))
+    except (TransportClosed, TimeoutError, _Cycle) as e:
+        log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
+    except (ProtocolError, DeltaFormatError) as e:  # a corrupt or out-of-order stream: try the next parent
+        log.error("parent_failed", parent=parent, error=str(e))
+    finally:
+        place.parent = None
+        if signalling is not None:
+            signalling.cancel()
+            await ch.close("leaving this parent")
 
 
 def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
