@@ -32,13 +32,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from aurora.transport.base import Channel, Message
 
 from aurora.codec import Weights
 from aurora.codec.decoder import DeltaReceiver, blank_weights
-from aurora.codec.encoder import encode, encode_stream
+from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
 from aurora.errors import ProtocolError
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
@@ -93,6 +94,8 @@ class VersionFlow:
         self.weights_lock = asyncio.Lock()
         self.bytes_in = 0
         """Delta bytes received from parents (manifests and chunks)."""
+        self.last_published: dict[str, Any] = {}
+        """The trainer: bytes and density of the last version it published."""
 
     # -- children
     async def add_child(self, ch: Channel, version: int | None) -> None:
@@ -120,8 +123,9 @@ class VersionFlow:
         t0 = time.monotonic()
         target = self.version + 1
         base = None if self.full_weights else self.weights
+        stats = EncodeStats()
         m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
-                                  target_version=target)  # fmt: skip
+                                  target_version=target, stats=stats)  # fmt: skip
         n = m.n_chunks
         stored = _Stored(pack_manifest(m), [None] * n, m.is_snapshot)
         self._remember(target, stored)
@@ -141,8 +145,10 @@ class VersionFlow:
         self.router.version_committed(target)
         await self._run(self.router.commands())
         nbytes = len(stored.manifest) + sum(len(c) for c in stored.chunks if c is not None)
+        self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None}
         log.info("version_published", node=self.name, version=target, chunks=n, bytes=nbytes,
-                 snapshot=m.is_snapshot, publish_s=round(time.monotonic() - t0, 6),
+                 snapshot=m.is_snapshot, publish_s=round(time.monotonic() - t0, 6), changed=stats.changed,
+                 density=round(stats.density, 6) if base is not None else None,
                  digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
 

@@ -52,7 +52,6 @@ from aurora.actors.work import (
     Worker,
     WorkerStats,
     WorkPool,
-    arithmetic_prompts,
     send_or_drop,
     tell_or_drop,
 )  # fmt: skip
@@ -62,12 +61,13 @@ from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.topology import Topology, WebRtcSpec
-from aurora.engine import make_engine
+from aurora.engine import EngineSpec, make_engine
 from aurora.errors import ConfigError, DeltaFormatError, ProtocolError, TransportClosed
-from aurora.learner import SyntheticLearner
+from aurora.learner import Learner, make_learner
 from aurora.protocol.leases import LeaseHolder
 from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
 from aurora.store import DeltaStore
+from aurora.tasks import make_task
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
     from aurora.transport.webrtc import WebRtcTransport
@@ -112,7 +112,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     else:
         await node.open_store(store)
         if spec.role == "rollout" and topo.engine:
-            node.engine = await asyncio.to_thread(make_engine, topo.engine, file)
+            node.engine = await asyncio.to_thread(make_engine, topo.engine, file, topo.model)
     zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, **curve_options(topo, name, file))
     if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
         node.rtc = _rtc(topo, name, file)
@@ -211,7 +211,7 @@ class Node:
         self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights)
         self.routes = Routes()
         self.pool: WorkPool | None = None
-        self.learner: SyntheticLearner | None = None
+        self.learner: Learner | None = None
         self.store: DeltaStore | None = None
         self.engine: Any = None
         self.worker_stats = WorkerStats()
@@ -221,23 +221,30 @@ class Node:
         """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
 
     async def open_trainer(self, store: Path | None) -> None:
-        learner = SyntheticLearner.from_section(self.topo.learner, self.file)
-        self.learner = learner
-        weights, version = learner.initial(), 0
+        """The learner, version 0 (or the store's latest), and the work pool on the task's prompts."""
+        task = make_task(self.topo.task, self.file)
         if store is not None:
             self.store = DeltaStore(store)
-            latest = self.store.latest()
-            if latest is None:
+        engine = EngineSpec.from_section(self.topo.engine, self.file, self.topo.model)
+        learner = make_learner(self.topo.learner, self.file, model=self.topo.model, task=task,
+                               temperature=engine.temperature,
+                               checkpoint_dir=None if store is None else store / "checkpoints")  # fmt: skip
+        self.learner = learner
+        latest = None if self.store is None else self.store.latest()
+        if latest is None:
+            weights, version = await asyncio.to_thread(learner.initial), 0
+            if self.store is not None:
                 await asyncio.to_thread(self.store.put_anchor, 0, weights)
-            else:
-                weights = await asyncio.to_thread(self.store.get, latest)
-                version = latest
-                learner.restore(weights, version)
-                log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
+        else:
+            assert self.store is not None
+            weights = await asyncio.to_thread(self.store.get, latest)
+            version = latest
+            await asyncio.to_thread(learner.restore, weights, version)
+            log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
                                 store=self.store)  # fmt: skip
-        self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions,
-                             arithmetic_prompts(learner.spec.seed))  # fmt: skip
+        self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions, task.prompts(learner.seed),
+                             group_size=learner.group_size)  # fmt: skip
 
     async def open_store(self, store: Path | None) -> None:
         """A relay's or rollout's store: resume from its latest version (then catch up from the parent)."""
@@ -300,17 +307,19 @@ class _Publisher(Actor):
         node, learner, pool = self.node, self.node.learner, self.node.pool
         assert learner is not None
         assert pool is not None
-        steps, per_step = node.topo.run.steps, learner.spec.samples_per_step
+        steps = node.topo.run.steps
         while (node.flow.version or 0) < steps:
-            if per_step:
-                samples = await pool.take(per_step)
+            current = node.flow.version or 0
+            if learner.batch_size:
+                batch = await pool.take(learner.batch_size, current)
             else:
-                await asyncio.sleep(learner.spec.interval_s)
-                samples = []
-            new = await asyncio.to_thread(learner.step, samples)
-            node.status.on_published((node.flow.version or 0) + 1, time.monotonic())
+                await asyncio.sleep(learner.interval_s)
+                batch = []
+            new = await asyncio.to_thread(learner.step, batch)
+            node.status.on_published(current + 1, time.monotonic())
             v = await node.flow.publish(new)  # stored before its last chunk leaves
-            log.info("step", version=v, samples=len(samples), **pool.stats())
+            node.status.step = {"version": v, **learner.stats, **node.flow.last_published}
+            log.info("step", version=v, results=len(batch), **learner.stats, **pool.stats())
         log.info("steps_done", steps=steps, version=node.flow.version)
 
 

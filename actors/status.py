@@ -38,6 +38,8 @@ class ClusterStatus:
     published: OrderedDict[int, float] = field(default_factory=OrderedDict)
     held: dict[int, set[str]] = field(default_factory=dict)
     sync_s: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    step: dict[str, Any] = field(default_factory=dict)
+    """The learner's last step (reward, accuracy, ...) and its delta's size."""
 
     def on_published(self, version: int, started: float) -> None:
         self.published[version] = started
@@ -67,7 +69,8 @@ class ClusterStatus:
         now = time.monotonic()
         nodes = {n: {k: v for k, v in r.items() if k != "_at"} | {"age_s": round(now - r["_at"], 1)}
                  for n, r in self.reports.items()}  # fmt: skip
-        return {"trainer": trainer, "nodes": nodes, "sync_s": {str(v): round(s, 4) for v, s in self.sync_s.items()}}
+        return {"trainer": trainer, "nodes": nodes, "sync_s": {str(v): round(s, 4) for v, s in self.sync_s.items()},
+                "step": self.step}  # fmt: skip
 
 
 def render(snap: dict[str, Any]) -> str:
@@ -80,6 +83,12 @@ def render(snap: dict[str, Any]) -> str:
     if syncs:
         head += f"  sync last {syncs[-1] * 1e3:.0f} ms, mean {sum(syncs) / len(syncs) * 1e3:.0f} ms"
     lines = [head]
+    step = snap.get("step") or {}
+    if step.get("reward") is not None:
+        tok = sum(r.get("tok_s", 0.0) for r in snap["nodes"].values())
+        lines.append(f"learner step {step['version']}  reward {step['reward']:.3f}  accuracy {step['accuracy']:.3f}  "
+                     f"delta {step.get('bytes', 0) / 1e3:.1f} kB ({100 * (step.get('density') or 0):.2f} % changed)  "
+                     f"rollouts {tok:.0f} tok/s")  # fmt: skip
     for name, r in sorted(snap["nodes"].items()):
         parts = [f"{name:<12} v{'-' if r.get('version') is None else r['version']:<4} via {r.get('parent') or '-':<10}",
                  f"in {r.get('bytes_in', 0) / 1e6:7.2f} MB"]  # fmt: skip

@@ -5,21 +5,25 @@ worker towards the trainer; relays forward them to their parent unchanged):
 
 * ``want`` {w, n} — the worker can take up to n prompts;
 * ``renew`` {w, tokens} — keep these leases alive;
-* ``result`` {w, item, token, v} + msgpack completion — generated with version v.
+* ``result`` {w, item, token, v} + a `Completion` (its wire form) — the prompt's group
+  of samples, generated with version v.
 
 Downward (the coordinator's answers; each relay routes them to the child that
 the worker's messages came from, `Routes`):
 
-* ``grant`` {w, leases: [[item, token, ttl_s, text], ...]};
+* ``grant`` {w, n, leases: [[item, token, ttl_s, text], ...]} — n samples per prompt;
 * ``renewed`` {w, leases: [[item, token, ttl_s], ...]};
 * ``verdict`` {w, item, ok, reason}.
 
 Invariants (the coordinator, `WorkPool`):
 
 * a result is accepted at most once per prompt, only under its current lease
-  (`LeaseTable`), and only if its version is within ``max_stale`` of the
-  trainer's current version; a too-stale result gives its prompt back to the
-  pool to be generated again with newer weights;
+  (`LeaseTable`), only with the group size asked for, and only if its version
+  is within ``max_stale`` of the trainer's current version; a too-stale result
+  gives its prompt back to the pool to be generated again with newer weights;
+* the learner takes accepted results oldest first, and never one that has become
+  more than ``max_stale`` versions older than the version it trains from;
+* prompts' answers stay in the pool (rewards are the trainer's to compute).
 * a worker that goes silent stops renewing; its leases expire and their
   prompts go to other workers; its late results are rejected (fenced).
 
@@ -31,15 +35,12 @@ every completion is labelled with the weights that produced it.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, cast
 
-import msgpack
 import structlog
 from aurora.actors.flow import VersionFlow
 from aurora.transport.base import Message
@@ -59,13 +60,6 @@ Send = Callable[[Mapping[str, Any], tuple[bytes | memoryview, ...]], Awaitable[b
 """Send a header and buffers one hop; False when there is nobody to send to right now."""
 
 
-def arithmetic_prompts(seed: int = 0) -> Iterator[Prompt]:
-    """An endless stream of ``a+b=`` prompts (the synthetic task until the RL issue brings tasks)."""
-    rng = random.Random(seed)
-    for i in itertools.count():
-        yield Prompt(i, f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=")
-
-
 # ---------------------------------------------------------------- trainer side
 @dataclass
 class WorkPool:
@@ -74,10 +68,13 @@ class WorkPool:
     leases: LeaseSpec
     max_stale: int
     prompts: Iterator[Prompt]
+    group_size: int = 1
     table: LeaseTable = field(init=False)
     open: dict[int, Prompt] = field(default_factory=dict)
-    samples: list[Completion] = field(default_factory=list)
+    samples: list[tuple[Prompt, Completion]] = field(default_factory=list)
     accepted: int = 0
+    dropped_stale: int = 0
+    """Accepted results that grew too stale before the learner took them."""
     rejected: Counter[str] = field(default_factory=Counter)
     log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
     """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
@@ -103,6 +100,10 @@ class WorkPool:
     def result(self, worker: str, item: int, token: int, version: int, current: int, c: Completion,
                now: float) -> str | None:  # fmt: skip
         """Offer a result; None if accepted, else why not."""
+        if c.prompt_id != item or c.version != version or len(c.samples) != self.group_size:
+            self.rejected["malformed"] += 1
+            return (f"malformed: a result for prompt {c.prompt_id} with {len(c.samples)} samples of version "
+                    f"{c.version} (expected prompt {item}, {self.group_size} samples, version {version})")  # fmt: skip
         if current - version > self.max_stale and self.table.release(worker, item, token, now):
             self.rejected["stale"] += 1
             return f"stale: made with version {version}, the trainer is at {current} (bound {self.max_stale})"
@@ -110,9 +111,9 @@ class WorkPool:
             reason = next(e.reason for e in reversed(self._events()) if isinstance(e, ResultRejected))
             self.rejected[reason] += 1
             return reason
-        self.open.pop(item, None)
+        prompt = self.open.pop(item, None) or Prompt(item, "")
         self.log.append((item, worker, version, current))
-        self.samples.append(c)
+        self.samples.append((prompt, c))
         self.accepted += 1
         self._more.set()
         return None
@@ -128,17 +129,22 @@ class WorkPool:
                 log.info("lease_expired", worker=e.lease.worker, item=e.lease.item, token=e.lease.token)
         return evs
 
-    async def take(self, n: int) -> list[Completion]:
-        """Wait for ``n`` accepted samples and hand them over (oldest first)."""
-        while len(self.samples) < n:
+    async def take(self, n: int, current: int = 0) -> list[tuple[Prompt, Completion]]:
+        """Wait for ``n`` accepted results made within ``max_stale`` of version ``current`` and
+        hand them over (oldest first); older ones are dropped."""
+        while True:
+            fresh = [s for s in self.samples if current - s[1].version <= self.max_stale]
+            self.dropped_stale += len(self.samples) - len(fresh)
+            self.samples = fresh
+            if len(fresh) >= n:
+                out, self.samples = fresh[:n], fresh[n:]
+                return out
             self._more.clear()
             await self._more.wait()
-        out, self.samples = self.samples[:n], self.samples[n:]
-        return out
 
     def stats(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "rejected": dict(self.rejected), "in_flight": self.table.in_flight,
-                "pending": self.table.pending}  # fmt: skip
+                "pending": self.table.pending, "dropped_stale": self.dropped_stale}  # fmt: skip
 
 
 class Coordinator(Actor):
@@ -172,15 +178,15 @@ class Coordinator(Actor):
             granted = self.pool.want(w, int(h["n"]), now)
             if granted:
                 leases = [[lease.item, lease.token, lease.ttl_s, p.text] for lease, p in granted]
-                await self.down({"k": "grant", "w": w, "leases": leases}, ())
+                await self.down({"k": "grant", "w": w, "n": self.pool.group_size, "leases": leases}, ())
         elif k == "renew":
             renewed = self.pool.renew(w, [int(t) for t in h["tokens"]], now)
             if renewed:
                 await self.down({"k": "renewed", "w": w, "leases": [[x.item, x.token, x.ttl_s] for x in renewed]}, ())
         elif k == "result":
             try:
-                c = Completion(**msgpack.unpackb(msg.buffers[0]))
-            except (IndexError, TypeError, ValueError, msgpack.UnpackException) as e:
+                c = Completion.from_wire(msg.buffers[0])
+            except (IndexError, ValueError) as e:
                 # a bad result is the worker's fault: reject it, never crash the coordinator over it
                 log.warning("bad_result", worker=w, item=h.get("item"), error=repr(e))
                 await self.down({"k": "verdict", "w": w, "item": h.get("item"), "ok": False, "reason": "malformed"}, ())
@@ -236,6 +242,8 @@ class Worker(Actor):
         self.holder = holder
         self.stats = stats
         self.prompts: dict[int, Prompt] = {}
+        self.group_size = 1
+        """Samples per prompt, as the coordinator's last grant asked."""
         self.granted = asyncio.Event()
 
     async def receive(self, msg: Message) -> None:
@@ -244,6 +252,7 @@ class Worker(Actor):
         if k == "grant":
             got = [Lease(int(i), self.name, int(t), now, now + float(ttl)) for i, t, ttl, _ in h["leases"]]
             self.holder.on_granted(got, now)
+            self.group_size = max(1, int(h.get("n", 1)))
             for i, _, _, text in h["leases"]:
                 self.prompts[int(i)] = Prompt(int(i), str(text))
             if not self.stats.completions and not self.granted.is_set():
@@ -299,17 +308,17 @@ class Worker(Actor):
         version = self.engine.version
         assert version is not None
         t0 = time.perf_counter()
-        done = await asyncio.to_thread(self.engine.generate, held, version)
+        done = await asyncio.to_thread(self.engine.generate, held, version, self.group_size)
         self.stats.generate_s += time.perf_counter() - t0
         for c in done:
             self.stats.completions += 1
-            self.stats.tokens += len(c.tokens)
+            self.stats.tokens += sum(len(s.tokens) for s in c.samples)
             lease = self.holder.take(c.prompt_id)
             self.prompts.pop(c.prompt_id, None)
             if lease is None:
                 continue  # given up meanwhile: the coordinator has leased it to someone else
             await self.up({"k": "result", "w": self.name, "item": c.prompt_id, "token": lease.token, "v": version},
-                          (msgpack.packb(asdict(c)),))  # fmt: skip
+                          (c.to_wire(),))  # fmt: skip
 
     async def _switch(self) -> None:
         """At a batch boundary: bring the engine to the newest committed version."""

@@ -156,12 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "the cluster's status as it changes (read from the trainer over the control channel, as "
                        "aurora status does: versions, results accepted and rejected, leases, bytes received, sync "
                        "times, tokens/s), and stop everything (children first) once the trainer has published "
-                       "run.steps versions and every node holds the last one, or on Ctrl-C. Each node's JSON log "
-                       "is kept in the state directory as NODE.log.")  # fmt: skip
+                       "run.steps versions and every node holds the last one, or on Ctrl-C. A missing model "
+                       "directory (model.path) is first created from model.preset, as `aurora model init` does. "
+                       "Each node's JSON log is kept in the state directory as NODE.log; after an RL run it also "
+                       "holds metrics.jsonl (one line per step: reward, accuracy, delta bytes and density, sync "
+                       "time, ...) and metrics.png (their plot).")  # fmt: skip
     r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
     r.add_argument("--state", type=Path, default=None,
-                   help="directory for the nodes' state (the trainer's version store); default: a temporary "
-                   "directory removed at the end")  # fmt: skip
+                   help="directory for the nodes' state (version stores, checkpoints, logs, metrics); "
+                   "default: runs/NAME-TIME. An existing one is resumed from.")  # fmt: skip
     st = sub.add_parser("status", help="show a running cluster's status",
                         description="Ask the topology's trainer for the status every node reports up the tree "
                         "(over the control channel: a connection whose hello is a status request) and print it.")  # fmt: skip

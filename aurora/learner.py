@@ -1,7 +1,9 @@
-"""The learner interface, and `SyntheticLearner`, a load generator that stands in for RL.
+"""The learner interface, `make_learner`, and `SyntheticLearner`, a load generator that stands in for RL.
 
-`Learner.step(samples)` returns the next version's weights. The real RL learner
-(GRPO) is the next issue; until then `SyntheticLearner` produces versions with
+`Learner.step(batch)` trains on ``batch_size`` accepted results (each a
+prompt with its group of samples) and returns the next version's weights;
+``stats`` then describes that step (logged with it). The RL learner is
+`aurora.grpo.GrpoLearner`. `SyntheticLearner` produces versions with
 the statistics that matter for weight sync: bf16 weights ~N(0, 0.02) in a few
 tensors, of which a configurable ``density`` fraction moves by ±1–2 ULP per step
 (bit-pattern steps, as lr ~1e-6 AdamW updates that survive the bf16 cast do).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,12 +30,21 @@ from aurora.model import ModelSpec, build_model, parameters
 
 
 class Learner(Protocol):
+    batch_size: int
+    """Accepted results per step; 0: step every ``interval_s`` without samples (load generators)."""
+    interval_s: float
+    group_size: int
+    """Samples per prompt that the workers make."""
+    seed: int
+    stats: dict[str, Any]
+    """The last step's figures (reward, accuracy, loss, ...; empty for load generators)."""
+
     def initial(self) -> Weights:
         """Version 0."""
         ...
 
-    def step(self, samples: Sequence[Any]) -> Weights:
-        """Train on ``samples``; return the next version's weights (a new object)."""
+    def step(self, batch: Sequence[Any]) -> Weights:
+        """Train on ``batch`` ((prompt, completion) pairs); return the next version's weights (a new object)."""
         ...
 
     def restore(self, weights: Weights, version: int) -> None:
@@ -79,6 +91,13 @@ class SyntheticLearner:
 
     def __init__(self, spec: SyntheticSpec) -> None:
         self.spec = spec
+        self.batch_size, self.interval_s, self.group_size, self.seed = (
+            spec.samples_per_step,
+            spec.interval_s,
+            1,
+            spec.seed,
+        )
+        self.stats: dict[str, Any] = {}
         self.rng = np.random.default_rng(spec.seed)
         if spec.model is not None:
             params = parameters(build_model(spec.model))
@@ -111,7 +130,7 @@ class SyntheticLearner:
             self._bits[n] = tb.bits.copy().astype(np.uint16)
         self.rng = np.random.default_rng((self.spec.seed, version))
 
-    def step(self, samples: Sequence[Any] = ()) -> Weights:
+    def step(self, batch: Sequence[Any] = ()) -> Weights:
         if self.spec.step_s:
             time.sleep(self.spec.step_s)
         for bits in self._bits.values():
@@ -126,3 +145,20 @@ class SyntheticLearner:
 
 def _as_bf16(bits: np.ndarray) -> Any:
     return torch.from_numpy(bits.copy().view(np.int16)).view(torch.bfloat16)
+
+
+def make_learner(section: dict[str, Any], file: str | None, *, model: ModelSpec | None, task: Any,
+                 temperature: float, checkpoint_dir: Path | None) -> Learner:  # fmt: skip
+    """The learner a topology's ``learner:`` section names (``kind``: grpo, or synthetic — the default)."""
+    kind = section.get("kind", "synthetic")
+    if kind == "grpo":
+        from aurora.grpo import GrpoLearner, GrpoSpec
+
+        spec = GrpoSpec.from_section(section, file)
+        return GrpoLearner(spec, (model or ModelSpec()).resolved(file), task, temperature=temperature,
+                           checkpoint_dir=checkpoint_dir)  # fmt: skip
+    if kind == "synthetic":
+        return SyntheticLearner.from_section(section, file)
+    raise ConfigError(
+        f"unknown learner kind {kind!r} (this build has: grpo, synthetic)", file=file, path="learner.kind"
+    )

@@ -1,19 +1,26 @@
-"""Small causal LMs built locally: a Qwen3-architecture model from a preset, and a character tokenizer.
+"""Causal LMs: loaded from a Hugging Face model directory, or built locally from a preset.
 
-Nothing is downloaded: `build_model(spec)` makes a `Qwen3ForCausalLM` from a
-config and a seeded random initialisation, so every node that builds the same
-`ModelSpec` gets the same architecture (the weights themselves come over the
-tree). Parameters are bf16 (what the trainer publishes); embeddings are not
-tied, so every parameter is its own tensor in a `Weights`.
+A model directory is what `transformers` and vLLM both read: ``config.json``,
+``model.safetensors`` (or shards) and a tokenizer. Nothing is downloaded:
+`ModelSpec.path` names a directory a user provides (a real Qwen3 checkpoint,
+say) or one that `init_model_dir` wrote (``aurora model init``). Without a
+path, `build_model` makes the preset's model in memory (tests, load generators).
 
-`CharTokenizer` maps printable ASCII one character per token, after three
-specials (pad, bos, eos); it is enough for the synthetic tasks.
+`init_model_dir` writes a Qwen3-architecture model (seeded random init, bf16,
+untied embeddings so every parameter is its own tensor in a `Weights`) and a
+character tokenizer: a `tokenizers` BPE with no merges over printable ASCII
+plus three specials (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2), saved as a
+``tokenizer.json`` that `AutoTokenizer` (and so vLLM) loads.
+
+`Tokenizer` is the small interface the engines and learners use: ``encode``
+adds the bos token, ``decode`` drops special tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aurora.errors import ConfigError
@@ -22,37 +29,25 @@ if TYPE_CHECKING:
     import torch
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~115k parameters: fast enough for many processes on a 2-core machine
+    # ~150k parameters: fast enough for many processes on a 2-core machine (head_dim 32: the
+    # smallest that vLLM's CPU attention supports)
     "tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16},
+             "num_key_value_heads": 2, "head_dim": 32},
     # ~4.8M parameters
     "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 8,
               "num_key_value_heads": 4, "head_dim": 32},
 }  # fmt: skip
 
-
-class CharTokenizer:
-    PAD, BOS, EOS = 0, 1, 2
-    FIRST = 3
-
-    vocab_size = 128
-
-    def encode(self, text: str) -> list[int]:
-        out = [self.BOS]
-        for ch in text:
-            o = ord(ch)
-            if not 32 <= o < 127:
-                raise ValueError(f"character {ch!r} is outside printable ASCII")
-            out.append(self.FIRST + o - 32)
-        return out
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(32 + i - self.FIRST) for i in ids if self.FIRST <= i < self.FIRST + 95)
+VOCAB_SIZE = 128
+SPECIALS = ("<pad>", "<s>", "</s>")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
+    path: str | None = None
+    """A Hugging Face model directory (relative paths: to the topology file). None: build ``preset`` in memory."""
     preset: str = "tiny"
+    """Without ``path``: the architecture to build. With it: what ``aurora run`` creates there if it is missing."""
     seed: int = 0
     max_positions: int = 256
 
@@ -60,21 +55,103 @@ class ModelSpec:
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r} (presets: {', '.join(PRESETS)})", path="preset")
 
+    def resolved(self, file: str | None) -> ModelSpec:
+        """With ``path`` made absolute against the directory of ``file`` (a topology file)."""
+        if self.path is None or Path(self.path).is_absolute():
+            return self
+        base = Path(file).parent if file else Path()
+        return replace(self, path=str((base / self.path).resolve()))
+
+    def directory(self) -> Path:
+        """The model directory, checked to hold a config (a clear error otherwise)."""
+        assert self.path is not None
+        p = Path(self.path)
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{p} is not a model directory (no config.json); create one with "
+                              f"`aurora model init {p} --preset {self.preset}`", path="model.path")  # fmt: skip
+        return p
+
+
+def _config(preset: str, max_positions: int) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, **PRESETS[preset])  # fmt: skip
+
 
 def build_model(spec: ModelSpec) -> Any:
-    """A `Qwen3ForCausalLM` in bf16, initialised from ``spec.seed`` (deterministic)."""
+    """A `Qwen3ForCausalLM` in bf16: read from ``spec.path``, else the preset initialised from ``spec.seed``."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=CharTokenizer.vocab_size, max_position_embeddings=spec.max_positions,
-                      tie_word_embeddings=False, **PRESETS[spec.preset])  # fmt: skip
-    gen = torch.random.fork_rng()
-    with gen:
+    if spec.path is not None:
+        model: Any = AutoModelForCausalLM.from_pretrained(spec.directory(), dtype=torch.bfloat16)
+        return model.eval()
+    with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        model: Any = Qwen3ForCausalLM(cfg)
+        cls: Any = Qwen3ForCausalLM
+        model = cls(_config(spec.preset, spec.max_positions))
     return model.to(torch.bfloat16).eval()
 
 
 def parameters(model: Any) -> dict[str, torch.Tensor]:
     """The model's parameters by name (no buffers: those are derived from the config)."""
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def char_tokenizer() -> Any:
+    """The character tokenizer as a `transformers` fast tokenizer (what `init_model_dir` saves)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab |= {chr(c): len(SPECIALS) + c - 32 for c in range(32, 127)}
+    unused = {f"<unused{i}>": i for i in range(len(vocab), VOCAB_SIZE)}
+    vocab |= unused
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    raw.decoder = decoders.Fuse()
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast: Any = PreTrainedTokenizerFast
+    return fast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                additional_special_tokens=list(unused))  # fmt: skip
+
+
+class Tokenizer:
+    """Text ↔ token ids for engines and learners (a `transformers` tokenizer underneath)."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+        self.eos_id = int(hf.eos_token_id)
+        self.pad_id = int(hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec) -> Tokenizer:
+        if spec.path is None:
+            return cls(char_tokenizer())
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(spec.directory()))
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self.hf(text)["input_ids"])
+        if self.hf.bos_token_id is not None and (not ids or ids[0] != self.hf.bos_token_id):
+            ids.insert(0, int(self.hf.bos_token_id))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=True))
+
+
+def init_model_dir(path: Path, preset: str = "tiny", seed: int = 0, max_positions: int = 256) -> Path:
+    """Write a freshly initialised model and the character tokenizer to ``path`` (refuses a non-empty one)."""
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"{path} exists and is not empty; give a new directory")
+    model = build_model(ModelSpec(preset=preset, seed=seed, max_positions=max_positions))
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    char_tokenizer().save_pretrained(tmp)
+    if path.exists():
+        path.rmdir()
+    tmp.rename(path)  # a half-written directory never looks like a model
+    return path

@@ -14,13 +14,11 @@ A node that exits on its own is an error that names the node and its last log li
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +30,8 @@ from aurora.actors.status import STATUS_EVERY_S, fetch_status, render
 from aurora.config.plan import Tree, plan
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
+from aurora.metrics import collect, plot, write_jsonl
+from aurora.model import init_model_dir
 
 Progress = Callable[..., None]
 """``progress(text, redraw=False)``: show a message, or (redraw) the status block that replaces the last one."""
@@ -149,12 +149,42 @@ class Cluster:
 
 def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0,
         state: Path | None = None) -> dict[str, NodeStatus]:  # fmt: skip
+    """Run the topology at ``path``; ``state`` defaults to ``runs/NAME-TIME`` (kept)."""
     topo = load_topology(path)
     tree = plan(topo, str(path))
-    with contextlib.ExitStack() as stack:
-        if state is None:
-            state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aurora-run-")))
-        return _run(Cluster(path, topo, tree, state), progress, interval_s)
+    ensure_model(topo, path, progress)
+    if state is None:
+        state = Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    progress(f"state, logs and metrics: {state}")
+    status = _run(Cluster(path, topo, tree, state), progress, interval_s)
+    report(state / f"{topo.trainer.name}.log", state, topo.name, progress)
+    return status
+
+
+def ensure_model(topo: Topology, path: Path, progress: Progress) -> None:
+    """Create the topology's model directory from its preset if it is missing (``aurora model init``)."""
+    if topo.model is None or topo.model.path is None:
+        return
+    m = topo.model.resolved(str(path))
+    assert m.path is not None
+    if not (Path(m.path) / "config.json").is_file():
+        progress(f"creating the model {m.path} (preset {m.preset}, seed {m.seed}; as `aurora model init` does)")
+        init_model_dir(Path(m.path), m.preset, m.seed, m.max_positions)
+
+
+def report(trainer_log: Path, state: Path, title: str, progress: Progress) -> None:
+    """Write ``metrics.jsonl`` and ``metrics.png`` from the trainer's log (when it trained)."""
+    if not trainer_log.is_file():
+        return
+    rows = collect(trainer_log)
+    if not any(r.get("reward") is not None for r in rows):
+        return
+    write_jsonl(rows, state / "metrics.jsonl")
+    plot(rows, state / "metrics.png", title)
+    rewards = [r["reward"] for r in rows if r.get("reward") is not None]
+    k = max(1, min(10, len(rewards) // 3))
+    progress(f"reward: first {k} steps {sum(rewards[:k]) / k:.3f}, last {k} steps {sum(rewards[-k:]) / k:.3f}; "
+             f"metrics: {state / 'metrics.jsonl'}, plot: {state / 'metrics.png'}")  # fmt: skip
 
 
 def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, NodeStatus]:

@@ -26,6 +26,7 @@ import yaml
 
 from aurora.config.strict import convert
 from aurora.errors import ConfigError
+from aurora.model import ModelSpec
 from aurora.protocol.liveness import timing_problem
 
 Role = Literal["trainer", "relay", "rollout"]
@@ -165,10 +166,14 @@ class Topology:
     plan: PlanSpec = field(default_factory=PlanSpec)
     run: RunSpec = field(default_factory=RunSpec)
     sync: SyncSpec = field(default_factory=SyncSpec)
+    model: ModelSpec | None = None
+    """The model every node runs (`aurora.model.ModelSpec`); None: the engines' and learner's own."""
+    task: dict[str, Any] = field(default_factory=dict)
+    """The RL task (`aurora.tasks.make_task`; default arithmetic)."""
     learner: dict[str, Any] = field(default_factory=dict)
-    """The learner's section (filled by the RL issue)."""
+    """The learner's section (`aurora.learner.make_learner`: grpo or synthetic)."""
     engine: dict[str, Any] = field(default_factory=dict)
-    """The rollout engine's section (filled by the RL issue)."""
+    """The rollout engine's section (`aurora.engine.EngineSpec`)."""
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:

@@ -1,0 +1,304 @@
+"""`GrpoLearner`: group-relative policy optimisation on fp32 master weights; versions are their bf16 cast.
+
+One step takes ``prompts_per_step`` groups (a prompt and the ``group_size``
+samples an engine made for it, each with its behaviour log-probabilities and
+the version that made it) and:
+
+1. scores every sample with the task (on the trainer: workers never see answers);
+2. normalises rewards within each group, ``A = (r - mean) / (std + eps)``;
+   groups whose samples all scored the same carry no signal and are skipped;
+3. minimises the clipped surrogate ``-min(ρA, clip(ρ, 1±ε)A)`` per response token,
+   with ``ρ = π_θ / π_behaviour`` against the log-probabilities the engine
+   returned, so samples made by an older version (one-step asynchrony) are
+   corrected for, plus optionally ``kl_coef`` × the k3 estimate of KL to the
+   reference (the weights at version 0);
+4. takes ``epochs`` AdamW steps (gradient clipped) on the fp32 master weights and
+   returns their bf16 cast: the published weights are exactly what training made.
+
+Version 0 is the model as loaded, after ``warm_start_steps`` of supervised
+training on the task's answers (so that a small random model starts with a
+reward above zero). Every ``checkpoint_every`` versions the master weights and
+the optimiser state are written (atomically) under ``checkpoint_dir``; a
+restarted trainer resumes from the newest checkpoint at or before its store's
+latest version (versions after it are trained again from there).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load_file, save_file
+
+from aurora.codec import Weights
+from aurora.config.strict import convert
+from aurora.engine import Completion, Prompt
+from aurora.errors import ConfigError
+from aurora.model import ModelSpec, Tokenizer, build_model
+from aurora.tasks import Task
+
+log = structlog.get_logger("aurora.grpo")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrpoSpec:
+    kind: str = "grpo"
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    prompts_per_step: int = 8
+    """Groups per step."""
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """0: no reference model."""
+    max_grad_norm: float = 1.0
+    epochs: int = 1
+    """AdamW steps on each step's samples."""
+    checkpoint_every: int = 10
+    """Versions between checkpoints of master weights and optimiser state (0: never)."""
+    warm_start_steps: int = 0
+    """Supervised steps on the task's answers before version 0 (for randomly initialised models)."""
+    warm_start_lr: float = 3e-3
+    warm_start_batch: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind != "grpo":
+            raise ConfigError(f"not a grpo section (kind {self.kind!r})", path="kind")
+        for name in ("group_size", "prompts_per_step", "epochs", "warm_start_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be >= 1", path=name)
+        if self.group_size < 2:
+            raise ConfigError("GRPO needs at least 2 samples per prompt", path="group_size")
+        for name in ("lr", "warm_start_lr", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ConfigError("must be > 0", path=name)
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError("must be in (0, 1)", path="clip_eps")
+        if self.kl_coef < 0 or self.weight_decay < 0 or self.checkpoint_every < 0 or self.warm_start_steps < 0:
+            raise ConfigError("kl_coef, weight_decay, checkpoint_every and warm_start_steps must be >= 0")
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any], file: str | None = None) -> GrpoSpec:
+        return convert(cls, section, file=file, path="learner")
+
+
+Batch = Sequence[tuple[Prompt, Completion]]
+
+
+class GrpoLearner:
+    """See the module docstring. Not thread-safe: one caller (the trainer's publisher)."""
+
+    def __init__(self, spec: GrpoSpec, model: ModelSpec, task: Task, *, temperature: float,
+                 checkpoint_dir: Path | None = None) -> None:  # fmt: skip
+        if temperature <= 0:
+            raise ConfigError("GRPO needs sampled rollouts: engine.temperature must be > 0", path="engine.temperature")
+        self.spec = spec
+        self.task = task
+        self.temperature = temperature
+        self.checkpoint_dir = checkpoint_dir
+        self.tok = Tokenizer.for_model(model)
+        torch.manual_seed(spec.seed)
+        self.model = build_model(model).float().train()
+        self.params = dict(self.model.named_parameters())
+        self.opt = self._optimizer()
+        self.ref: Any = None
+        self.version = 0
+        self.stats: dict[str, Any] = {}
+        self.batch_size, self.interval_s, self.group_size, self.seed = (
+            spec.prompts_per_step,
+            0.0,
+            spec.group_size,
+            spec.seed,
+        )
+
+    def _optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr, betas=self.spec.betas,
+                                 weight_decay=self.spec.weight_decay)  # fmt: skip
+
+    # -- versions
+    def weights(self) -> Weights:
+        with torch.no_grad():
+            return Weights.from_tensors({n: p.detach().to(torch.bfloat16) for n, p in self.params.items()})
+
+    def initial(self) -> Weights:
+        if self.spec.warm_start_steps:
+            self._warm_start()
+        self._set_reference()
+        self.version = 0
+        return self.weights()
+
+    def restore(self, weights: Weights, version: int) -> None:
+        """Continue after ``version`` (the store's latest): from the newest checkpoint at or before it,
+        else from its weights with a fresh optimiser."""
+        ckpt = self._latest_checkpoint(version)
+        if ckpt is None:
+            tensors = weights.to_tensors()
+            if set(tensors) != set(self.params):
+                raise ConfigError("the stored weights do not fit the model (different tensors)", path="model")
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(tensors[n])
+            log.warning("learner_restored_without_checkpoint", version=version,
+                        detail="master weights from the bf16 version; optimiser state starts afresh")  # fmt: skip
+        else:
+            v, path = ckpt
+            master = load_file(path / "master.safetensors")
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(master[n])
+            self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            log.info("learner_restored", checkpoint=v, version=version, retrained_steps=version - v)
+        self._set_reference()
+        self.version = version
+
+    def _set_reference(self) -> None:
+        if self.spec.kl_coef > 0:
+            self.ref = copy.deepcopy(self.model).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+
+    # -- supervised warm start
+    def _warm_start(self) -> None:
+        spec = self.spec
+        opt = torch.optim.AdamW(self.model.parameters(), lr=spec.warm_start_lr)
+        prompts = self.task.prompts(spec.seed + 1)
+        t0 = time.monotonic()
+        for step in range(1, spec.warm_start_steps + 1):
+            batch = [next(prompts) for _ in range(spec.warm_start_batch)]
+            seqs, starts = [], []
+            for p in batch:
+                prompt = self.tok.encode(p.text)
+                starts.append(len(prompt))
+                seqs.append(prompt + self.tok.encode(p.answer)[1:] + [self.tok.eos_id])
+            ids, mask, targets = self._pack(seqs, starts)
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            loss = -(logp * targets).sum() / targets.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            opt.step()
+            if step % 50 == 0 or step == spec.warm_start_steps:
+                log.info("warm_start", step=step, of=spec.warm_start_steps, loss=round(float(loss), 4),
+                         elapsed_s=round(time.monotonic() - t0, 1))  # fmt: skip
+
+    def _pack(self, seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ids, attention mask, and a mask over predicted positions (token t+1 is a response token)."""
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), self.tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        targets = torch.zeros((len(seqs), width - 1))
+        for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+            targets[i, start - 1 : len(s) - 1] = 1.0
+        return ids, mask, targets
+
+    # -- RL step
+    def step(self, batch: Batch = ()) -> Weights:
+        t0 = time.monotonic()
+        seqs, starts, adv_rows, old_rows = [], [], [], []
+        rewards, correct, stale = [], [], []
+        skipped = 0
+        for prompt, comp in batch:
+            scores = [self.task.score(prompt.answer, s.text) for s in comp.samples]
+            r = torch.tensor([s.reward for s in scores])
+            rewards += r.tolist()
+            correct += [s.correct for s in scores]
+            stale.append(self.version - comp.version)
+            std = float(r.std()) if len(r) > 1 else 0.0
+            if std < 1e-6:
+                skipped += 1
+                continue
+            adv = (r - r.mean()) / (std + 1e-4)
+            for s, a in zip(comp.samples, adv.tolist(), strict=True):
+                seqs.append(comp.prompt_tokens + s.tokens)
+                starts.append(len(comp.prompt_tokens))
+                adv_rows.append(a)
+                old_rows.append(s.logprobs)
+        losses, kls, clipped, grad_norm = [], [], [], 0.0
+        if seqs:
+            ids, mask, targets = self._pack(seqs, starts)
+            old = torch.zeros_like(targets)
+            for i, (lps, start) in enumerate(zip(old_rows, starts, strict=True)):
+                old[i, start - 1 : start - 1 + len(lps)] = torch.tensor(lps)
+            adv = torch.tensor(adv_rows)[:, None]
+            ntok = targets.sum()
+            ref_logp = self._logp(self.ref, ids, mask).detach() if self.ref is not None else None
+            for _ in range(self.spec.epochs):
+                logp = self._logp(self.model, ids, mask)
+                ratio = torch.exp((logp - old) * targets)
+                eps = self.spec.clip_eps
+                surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+                loss = -(surrogate * targets).sum() / ntok
+                if ref_logp is not None:
+                    d = (ref_logp - logp) * targets
+                    kl = ((torch.exp(d) - d - 1) * targets).sum() / ntok
+                    loss = loss + self.spec.kl_coef * kl
+                    kls.append(float(kl))
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
+                self.opt.step()
+                losses.append(float(loss))
+                clipped.append(float((((ratio - 1).abs() > eps).float() * targets).sum() / ntok))
+        self.version += 1
+        n = max(1, len(rewards))
+        self.stats = {
+            "reward": round(sum(rewards) / n, 4), "accuracy": round(sum(correct) / n, 4),
+            "groups": len(batch), "groups_skipped": skipped, "samples": len(rewards),
+            "tokens": int(sum(len(s.tokens) for _, c in batch for s in c.samples)),
+            "loss": round(sum(losses) / len(losses), 5) if losses else None,
+            "kl": round(sum(kls) / len(kls), 6) if kls else None,
+            "clip_frac": round(sum(clipped) / len(clipped), 4) if clipped else None,
+            "grad_norm": round(grad_norm, 4) if math.isfinite(grad_norm) else None,
+            "staleness": round(sum(stale) / len(stale), 3) if stale else None,
+            "learn_s": round(time.monotonic() - t0, 4),
+        }  # fmt: skip
+        if (
+            self.checkpoint_dir is not None
+            and self.spec.checkpoint_every
+            and self.version % self.spec.checkpoint_every == 0
+        ):
+            self.save_checkpoint(self.version)
+        return self.weights()
+
+    def _logp(self, model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Log-probability of each next token at the sampling temperature, shape [batch, len-1]."""
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / self.temperature
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    # -- checkpoints
+    def save_checkpoint(self, version: int) -> Path:
+        assert self.checkpoint_dir is not None
+        dest = self.checkpoint_dir / f"v{version:08d}"
+        tmp = self.checkpoint_dir / f".tmp-v{version:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({n: p.detach().contiguous() for n, p in self.params.items()}, str(tmp / "master.safetensors"))
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"version": version, "spec": self.spec.kind}))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)  # a checkpoint is whole or absent
+        log.info("checkpoint_saved", version=version, path=str(dest))
+        return dest
+
+    def _latest_checkpoint(self, at_most: int) -> tuple[int, Path] | None:
+        if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
+            return None
+        found = [(int(p.name[1:]), p) for p in self.checkpoint_dir.glob("v*")
+                 if (p / "meta.json").is_file() and p.name[1:].isdigit() and int(p.name[1:]) <= at_most]  # fmt: skip
+        return max(found) if found else None

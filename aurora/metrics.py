@@ -1,0 +1,78 @@
+"""Per-step metrics of a run, from the trainer's log: a JSONL file and a PNG plot.
+
+One row per published version, joining the trainer's events for it: ``step``
+(the learner's figures: reward, accuracy, loss, staleness, ...),
+``version_published`` (delta bytes, changed fraction, encode time) and
+``version_synced`` (seconds from publication until every node held it).
+Rows are in version order; a field the log does not have is None.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from aurora.logs import read_events
+
+STEP_FIELDS = ("reward", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "staleness", "groups",
+               "groups_skipped", "samples", "tokens", "learn_s")  # fmt: skip
+
+
+def collect(trainer_log: Path) -> list[dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+
+    def row(v: int) -> dict[str, Any]:
+        return rows.setdefault(v, {"version": v})
+
+    for e in read_events(trainer_log):
+        ev, v = e.get("event"), e.get("version")
+        if not isinstance(v, int):
+            continue
+        if ev == "step":
+            row(v).update({k: e.get(k) for k in STEP_FIELDS})
+        elif ev == "version_published":
+            row(v).update(bytes=e.get("bytes"), density=e.get("density"), publish_s=e.get("publish_s"))
+        elif ev == "version_synced":
+            row(v)["sync_s"] = e.get("sync_s")
+    return [rows[v] for v in sorted(rows) if v > 0]
+
+
+def write_jsonl(rows: list[dict[str, Any]], dest: Path) -> Path:
+    dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dest
+
+
+def plot(rows: list[dict[str, Any]], dest: Path, title: str = "") -> Path:
+    """Reward and accuracy, delta size, and sync time per step, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
+        got = [(r["version"], float(r[key]) * scale) for r in rows if r.get(key) is not None]
+        return [v for v, _ in got], [y for _, y in got]
+
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    ax = axes[0]
+    ax.plot(*series("reward"), label="reward")
+    ax.plot(*series("accuracy"), label="accuracy")
+    ax.set_ylabel("per step")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left")
+    ax.set_title(title or "training")
+    ax = axes[1]
+    ax.plot(*series("bytes", 1e-3), color="tab:green")
+    ax.set_ylabel("delta (kB)")
+    twin = ax.twinx()
+    twin.plot(*series("density", 100.0), color="tab:gray", linestyle=":")
+    twin.set_ylabel("changed (%)")
+    ax = axes[2]
+    ax.plot(*series("sync_s", 1e3), color="tab:red")
+    ax.set_ylabel("sync (ms)")
+    ax.set_xlabel("version (step)")
+    fig.tight_layout()
+    fig.savefig(dest, dpi=100)
+    plt.close(fig)
+    return dest
