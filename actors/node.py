@@ -317,7 +317,10 @@ class _Publisher(Actor):
                 batch = []
             new = await asyncio.to_thread(learner.step, batch)
             node.status.on_published(current + 1, time.monotonic())
-            v = await node.flow.publish(new)  # stored before its last chunk leaves
+            if node.topo.sync.deliver:
+                v = await node.flow.publish(new)  # stored before its last chunk leaves
+            else:
+                v = await node.flow.adopt(new)
             node.status.step = {"version": v, **learner.stats, **node.flow.last_published}
             log.info("step", version=v, results=len(batch), **learner.stats, **pool.stats())
         log.info("steps_done", steps=steps, version=node.flow.version)

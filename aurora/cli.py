@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aurora.errors import AuroraError
+from aurora.model import PRESETS
 
 EXIT_USER_ERROR = 2
 
@@ -53,7 +54,7 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync}")
+    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl}")
     c = bs.add_parser("codec", help="delta sizes vs published designs, and codec throughput",
                       description="Train a small transformer a few AdamW steps (lr 1e-6 and 1e-5), plus synthetic "
                       "densities, and compare delta sizes and throughput.")  # fmt: skip
@@ -88,6 +89,17 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     y.add_argument("--densities", default="0.01,0.05", help="fractions changed per step (default 0.01,0.05)")
     y.add_argument("--versions", type=int, default=3, help="versions timed per configuration (default 3)")
     y.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    r = bs.add_parser("rl", help="rollout tokens/s with weight sync on vs the sync-free ideal",
+                      description="Run the topology's RL job twice with fixed-length generation: with weight "
+                      "sync (deltas down the relay tree, engines switching between batches) and the ideal "
+                      "with sync removed (the trainer keeps its versions; rollouts stay on version 0). Prints "
+                      "both runs' tokens/s, their ratio, and the fraction of wall time that generation was "
+                      "paused for weight switches, with the mean sync time and delta size and density.")  # fmt: skip
+    r.add_argument("topology", type=Path, nargs="?", default=Path("topologies/local.yaml"),
+                   help="a topology with a grpo learner (default topologies/local.yaml)")  # fmt: skip
+    r.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
+    r.add_argument("--warmup", type=int, default=5, help="first steps not timed (default 5)")
+    r.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -98,6 +110,20 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "(secret, mode 0600) in ZeroMQ certificate format, and print the public key.")  # fmt: skip
     g.add_argument("name", help="key pair name, e.g. the node id")
     g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write into (default .)")
+
+
+def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("model", help="model directories", description="Hugging Face model directories.")
+    ms = p.add_subparsers(dest="model_cmd", required=True, metavar="{init}")
+    i = ms.add_parser("init", help="write a new small Qwen3-architecture model and its tokenizer",
+                      description="Write a randomly initialised Qwen3-architecture causal LM (config.json, "
+                      "model.safetensors, bf16, untied embeddings) and a character tokenizer (tokenizer.json) "
+                      "to DIR, loadable by transformers and vLLM. Nothing is downloaded. A topology's "
+                      "model.path names such a directory (or a real checkpoint).")  # fmt: skip
+    i.add_argument("dir", type=Path, help="a new (or empty) directory")
+    i.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="architecture (default tiny)")
+    i.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    i.add_argument("--max-positions", type=int, default=256, help="context length (default 256)")
 
 
 def _add_topology(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -149,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
+    _add_model(sub)
     _add_topology(sub)
     _add_node(sub)
     r = sub.add_parser("run", help="run every node of a topology on this machine",
@@ -347,6 +374,27 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from aurora.model import init_model_dir
+
+    path = init_model_dir(args.dir, args.preset, args.seed, args.max_positions)
+    n = sum(1 for _ in path.iterdir())
+    print(f"wrote {path} ({args.preset}, seed {args.seed}; {n} files)")
+    return 0
+
+
+def cmd_bench_rl(args: argparse.Namespace) -> int:
+    from aurora.bench.rl import bench, render, to_json
+
+    if args.steps <= args.warmup + 1:
+        raise AuroraError(f"--steps must be more than --warmup + 1 ({args.warmup + 1})")
+    r = bench(args.topology, steps=args.steps, warmup=args.warmup, progress=lambda t: print(t, flush=True))
+    print(render(r))
+    if args.json:
+        Path(args.json).write_text(to_json(r))
+    return 0
+
+
 def cmd_topology_check(args: argparse.Namespace) -> int:
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
@@ -451,6 +499,8 @@ COMMANDS = {
     ("bench", "actors"): cmd_bench_actors,
     ("bench", "transport"): cmd_bench_transport,
     ("bench", "sync"): cmd_bench_sync,
+    ("bench", "rl"): cmd_bench_rl,
+    ("model", "init"): cmd_model_init,
     ("keys", "generate"): cmd_keys_generate,
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,

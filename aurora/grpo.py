@@ -192,7 +192,7 @@ class GrpoLearner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             opt.step()
             if step % 50 == 0 or step == spec.warm_start_steps:
-                log.info("warm_start", step=step, of=spec.warm_start_steps, loss=round(float(loss), 4),
+                log.info("warm_start", step=step, of=spec.warm_start_steps, loss=round(float(loss.detach()), 4),
                          elapsed_s=round(time.monotonic() - t0, 1))  # fmt: skip
 
     def _pack(self, seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,13 +248,13 @@ class GrpoLearner:
                     d = (ref_logp - logp) * targets
                     kl = ((torch.exp(d) - d - 1) * targets).sum() / ntok
                     loss = loss + self.spec.kl_coef * kl
-                    kls.append(float(kl))
+                    kls.append(float(kl.detach()))
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
                 self.opt.step()
-                losses.append(float(loss))
-                clipped.append(float((((ratio - 1).abs() > eps).float() * targets).sum() / ntok))
+                losses.append(float(loss.detach()))
+                clipped.append(float((((ratio.detach() - 1).abs() > eps).float() * targets).sum() / ntok))
         self.version += 1
         n = max(1, len(rewards))
         self.stats = {

@@ -18,6 +18,7 @@ adds the bos token, ``decode`` drops special tokens.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -72,8 +73,23 @@ class ModelSpec:
         return p
 
 
+_IMPORT = threading.Lock()
+
+
+def _transformers() -> Any:
+    """`transformers`, imported under a lock: its lazy module is not safe to import from several
+    threads at once (engines are built in worker threads; several nodes can share a process)."""
+    with _IMPORT:
+        import transformers
+
+        for name in ("AutoModelForCausalLM", "AutoTokenizer", "PreTrainedTokenizerFast", "Qwen3Config",
+                     "Qwen3ForCausalLM"):  # fmt: skip
+            getattr(transformers, name)  # resolve the lazy attributes while holding the lock
+        return transformers
+
+
 def _config(preset: str, max_positions: int) -> Any:
-    from transformers import Qwen3Config
+    Qwen3Config = _transformers().Qwen3Config
 
     return Qwen3Config(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions, tie_word_embeddings=False,
                        bos_token_id=1, eos_token_id=2, pad_token_id=0, **PRESETS[preset])  # fmt: skip
@@ -82,14 +98,14 @@ def _config(preset: str, max_positions: int) -> Any:
 def build_model(spec: ModelSpec) -> Any:
     """A `Qwen3ForCausalLM` in bf16: read from ``spec.path``, else the preset initialised from ``spec.seed``."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
+    tf = _transformers()
     if spec.path is not None:
-        model: Any = AutoModelForCausalLM.from_pretrained(spec.directory(), dtype=torch.bfloat16)
+        model: Any = tf.AutoModelForCausalLM.from_pretrained(spec.directory(), dtype=torch.bfloat16)
         return model.eval()
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        cls: Any = Qwen3ForCausalLM
+        cls: Any = tf.Qwen3ForCausalLM
         model = cls(_config(spec.preset, spec.max_positions))
     return model.to(torch.bfloat16).eval()
 
@@ -103,7 +119,8 @@ def char_tokenizer() -> Any:
     """The character tokenizer as a `transformers` fast tokenizer (what `init_model_dir` saves)."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
+
+    tf = _transformers()
 
     vocab = {s: i for i, s in enumerate(SPECIALS)}
     vocab |= {chr(c): len(SPECIALS) + c - 32 for c in range(32, 127)}
@@ -112,7 +129,7 @@ def char_tokenizer() -> Any:
     raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     raw.decoder = decoders.Fuse()
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    fast: Any = PreTrainedTokenizerFast
+    fast: Any = tf.PreTrainedTokenizerFast
     return fast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                 additional_special_tokens=list(unused))  # fmt: skip
 
@@ -129,9 +146,7 @@ class Tokenizer:
     def for_model(cls, spec: ModelSpec) -> Tokenizer:
         if spec.path is None:
             return cls(char_tokenizer())
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(spec.directory()))
+        return cls(_transformers().AutoTokenizer.from_pretrained(spec.directory()))
 
     def encode(self, text: str) -> list[int]:
         ids = list(self.hf(text)["input_ids"])

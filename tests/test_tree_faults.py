@@ -217,7 +217,7 @@ async def test_an_actor_crash_loop_stops_the_node_with_the_reason(
     from aurora.engine import SyntheticEngine
     from aurora.errors import RestartIntensityExceeded
 
-    def broken(self: SyntheticEngine, prompts: Any, version: int) -> Any:
+    def broken(self: SyntheticEngine, prompts: Any, version: int, n: int = 1) -> Any:
         raise RuntimeError("the engine's device is gone")
 
     monkeypatch.setattr(SyntheticEngine, "generate", broken)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
-import msgpack
 from aurora.actors.flow import VersionFlow
-from aurora.actors.work import Coordinator, WorkPool, arithmetic_prompts
+from aurora.actors.work import Coordinator, WorkPool
 from aurora.transport.base import Message
 
 from aurora.config.topology import LeaseSpec
-from aurora.engine import Completion
+from aurora.engine import Completion, Prompt, Sample
+from aurora.tasks import ArithmeticTask
 
 
 def _setup(version: int) -> tuple[Coordinator, list[dict[str, Any]]]:
@@ -22,14 +21,14 @@ def _setup(version: int) -> tuple[Coordinator, list[dict[str, Any]]]:
         sent.append(dict(header))
         return True
 
-    pool = WorkPool(LeaseSpec(ttl_s=5.0, prompts_per_lease=2), 1, arithmetic_prompts(0))
+    pool = WorkPool(LeaseSpec(ttl_s=5.0, prompts_per_lease=2), 1, ArithmeticTask().prompts(0), group_size=2)
     return Coordinator(pool, VersionFlow("trainer", None, version), down), sent
 
 
-def _result(w: str, item: int, token: int, v: int, body: bytes | None = None) -> Message:
-    c = Completion(item, "x", [5], [0.0], v)
+def _result(w: str, item: int, token: int, v: int, body: bytes | None = None, n: int = 2) -> Message:
+    c = Completion(item, [1, 5], [Sample("x", [5], [-0.5])] * n, v)
     return Message({"k": "result", "w": w, "item": item, "token": token, "v": v},
-                   (memoryview(body if body is not None else msgpack.packb(asdict(c))),))  # fmt: skip
+                   (memoryview(body if body is not None else c.to_wire()),))  # fmt: skip
 
 
 async def test_results_are_gated_by_lease_and_staleness_and_bad_ones_are_rejected() -> None:
@@ -41,6 +40,7 @@ async def test_results_are_gated_by_lease_and_staleness_and_bad_ones_are_rejecte
     await coord.receive(_result("w2", b, tb, 4))  # within the bound: accepted
     await coord.receive(_result("w2", b, tb, 4))  # twice: rejected
     await coord.receive(_result("w1", a, ta, 5, body=b"\xc1 not msgpack"))  # malformed: rejected, no crash
+    await coord.receive(_result("w1", a, ta, 5, n=3))  # not the group size asked for: rejected
     await coord.receive(Message({"k": "result", "w": "w1"}, ()))  # fields missing: dropped, no crash
     verdicts = [(m["ok"], m["reason"]) for m in sent if m["k"] == "verdict"]
     assert verdicts[0][0] is False
@@ -48,9 +48,26 @@ async def test_results_are_gated_by_lease_and_staleness_and_bad_ones_are_rejecte
     assert verdicts[1] == (True, None)
     assert verdicts[2] == (False, "duplicate")
     assert verdicts[3] == (False, "malformed")
+    assert verdicts[4][0] is False
+    assert "3 samples" in verdicts[4][1]
     assert coord.pool.accepted == 1
     assert [x[:3] for x in coord.pool.log] == [(b, "w2", 4)]
     await coord.receive(Message({"k": "want", "w": "w3", "n": 1}, ()))
     (again, token, _, _) = sent[-1]["leases"][0]
     assert again == a  # the stale result's prompt is leased again first, under a new token
     assert token > ta
+    assert all(g["n"] == 2 for g in sent if g["k"] == "grant")  # the group size travels with the grant
+    ((prompt, _),) = coord.pool.samples
+    assert isinstance(prompt, Prompt)
+    assert prompt.answer == str(sum(int(x) for x in prompt.text[:-1].split("+")))  # the answer stays here
+
+
+async def test_the_learner_never_takes_results_grown_too_stale_while_they_waited() -> None:
+    coord, _ = _setup(version=5)
+    pool = coord.pool
+    for v in (3, 4, 5, 5):
+        pool.samples.append((Prompt(v, "1+1=", "2"), Completion(v, [1], [Sample("2", [5], [0.0])] * 2, v)))
+    got = await pool.take(2, current=5)
+    assert [c.version for _, c in got] == [4, 5]
+    assert pool.dropped_stale == 1
+    assert pool.stats()["dropped_stale"] == 1

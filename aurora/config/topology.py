@@ -147,6 +147,9 @@ class PlanSpec:
 class SyncSpec:
     full_weights: bool = False
     """Send every version as full weights instead of a delta: the baseline `aurora bench sync` measures."""
+    deliver: bool = True
+    """False: the trainer keeps its versions to itself (rollouts stay on the version they first got).
+    Only for the sync-free ideal that `aurora bench rl` compares against; not a way to train."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

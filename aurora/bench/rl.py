@@ -1,0 +1,119 @@
+"""`aurora bench rl`: the cluster's rollout throughput with weight sync on, next to the sync-free ideal.
+
+Both runs are the same `aurora run` of one topology (trainer, relays, rollout
+engines as processes, the GRPO learner training on the task), with every
+sample generated to a fixed length (``engine.fixed_length``), so that a sample
+costs the same in both whatever the weights say:
+
+* **sync**: every version goes down the relay tree as a delta; each rollout
+  commits it and switches its engine between batches;
+* **ideal**: ``sync.deliver: false`` — the trainer keeps its versions, rollouts
+  stay on version 0, and the staleness bound is lifted: no encode, transfer,
+  decode or switch, the sync cost removed.
+
+Measured from the logs (one host clock): tokens/s = tokens of the results the
+learner trained on, from the end of step ``warmup`` to the last step, over that
+time; *paused* = for each rollout, the time its engine spent switching versions
+(``engine_switched``) within that window, over the window, averaged over rollouts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aurora.config.topology import load_topology
+from aurora.errors import ConfigError
+from aurora.logs import read_events
+from aurora.metrics import collect
+from aurora.model import ModelSpec
+from aurora.run import run
+
+
+def _t(e: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(e["timestamp"])).timestamp()
+
+
+def _variant(raw: dict[str, Any], file: Path, steps: int, ideal: bool) -> dict[str, Any]:
+    d = copy.deepcopy(raw)
+    if d.get("learner", {}).get("kind") != "grpo":
+        raise ConfigError("aurora bench rl needs a grpo learner", file=str(file), path="learner.kind")
+    model = ModelSpec(**d.get("model", {})).resolved(str(file))  # paths stay right from a temporary file
+    d["model"] = {**d.get("model", {}), "path": model.path}
+    task = d.get("task", {})
+    if task.get("kind") == "jsonl" and not Path(task["path"]).is_absolute():
+        task["path"] = str((file.parent / task["path"]).resolve())
+    d["run"] = {**d.get("run", {}), "steps": steps}
+    d["engine"] = {**d.get("engine", {}), "fixed_length": True}
+    if ideal:
+        d["sync"] = {**d.get("sync", {}), "deliver": False}
+        d["staleness"] = {"max_versions": steps + 1}
+    return d
+
+
+def measure(state: Path, trainer: str, rollouts: list[str], warmup: int) -> dict[str, Any]:
+    steps = [e for e in read_events(state / f"{trainer}.log") if e.get("event") == "step"]
+    if len(steps) <= warmup + 1:
+        raise ConfigError(f"the run made {len(steps)} steps; need more than warmup + 1 = {warmup + 1}")
+    t0, t1 = _t(steps[warmup]), _t(steps[-1])
+    tokens = sum(int(e["tokens"]) for e in steps[warmup + 1 :])
+    paused = []
+    for r in rollouts:
+        sw = [e for e in read_events(state / f"{r}.log") if e.get("event") == "engine_switched" and t0 <= _t(e) <= t1]
+        paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
+    rows = [r for r in collect(state / f"{trainer}.log") if r["version"] > warmup]
+
+    def mean(key: str) -> float | None:
+        vals = [float(r[key]) for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    return {"tokens_s": tokens / (t1 - t0), "steps_s": (len(steps) - 1 - warmup) / (t1 - t0),
+            "window_s": t1 - t0, "paused": sum(paused) / len(paused), "sync_ms": (mean("sync_s") or 0.0) * 1e3,
+            "delta_kb": (mean("bytes") or 0.0) / 1e3, "density": mean("density"), "reward": mean("reward")}  # fmt: skip
+
+
+def bench(topology: Path, *, steps: int = 40, warmup: int = 5,
+          progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+    raw = yaml.safe_load(topology.read_text())
+    topo = load_topology(topology)
+    rollouts = [n.name for n in topo.nodes if n.role == "rollout"]
+    out: dict[str, Any] = {"topology": str(topology), "steps": steps, "warmup": warmup}
+    with tempfile.TemporaryDirectory(prefix="aurora-bench-rl-") as tmp:
+        for mode in ("sync", "ideal"):
+            f = Path(tmp) / f"{mode}.yaml"
+            f.write_text(yaml.safe_dump(_variant(raw, topology, steps, mode == "ideal")))
+            progress(f"-- {mode}: {steps} steps")
+
+            def quiet(text: str, *, redraw: bool = False) -> None:
+                if not redraw:
+                    progress(f"   {text}")
+
+            run(f, progress=quiet, state=Path(tmp) / mode)
+            out[mode] = measure(Path(tmp) / mode, topo.trainer.name, rollouts, warmup)
+    out["ratio"] = out["sync"]["tokens_s"] / out["ideal"]["tokens_s"]
+    return out
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [f"aurora bench rl: {r['topology']}, {r['steps']} steps (the first {r['warmup']} not timed), "
+             "fixed-length generation",
+             f"{'run':<6} {'tokens/s':>9} {'steps/s':>8} {'paused':>7} {'sync ms':>8} {'delta kB':>9} {'changed':>8}"]  # fmt: skip
+    for mode in ("sync", "ideal"):
+        m = r[mode]
+        changed = "-" if m["density"] is None else f"{100 * m['density']:.1f} %"
+        lines.append(f"{mode:<6} {m['tokens_s']:>9.0f} {m['steps_s']:>8.2f} {100 * m['paused']:>6.2f}% "
+                     f"{m['sync_ms']:>8.0f} {m['delta_kb']:>9.1f} {changed:>8}")  # fmt: skip
+    lines.append(f"sync / ideal tokens/s: {r['ratio']:.3f} (target >= 0.95); generation paused for switches: "
+                 f"{100 * r['sync']['paused']:.2f} % of wall time (target <= 2 %)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def to_json(r: dict[str, Any]) -> str:
+    return json.dumps(r, indent=2)

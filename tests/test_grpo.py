@@ -1,0 +1,134 @@
+"""GRPO on a real model: the loss moves probability towards better samples, training raises reward,
+the published version is the bf16 cast of the master weights, and checkpoints resume exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from aurora.engine import EngineSpec, Prompt, TorchEngine, WeightUpdate
+from aurora.errors import ConfigError
+from aurora.grpo import GrpoLearner, GrpoSpec
+from aurora.model import ModelSpec
+from aurora.tasks import ArithmeticTask, JsonlTask, make_task
+
+TASK = ArithmeticTask(max_operand=9)
+MODEL = ModelSpec(preset="tiny", seed=0)
+
+
+def _learner(tmp: Path | None = None, **kw: object) -> GrpoLearner:
+    spec = GrpoSpec(**{"group_size": 8, "prompts_per_step": 32, "lr": 1e-3, "warm_start_steps": 70, **kw})  # type: ignore[arg-type]
+    return GrpoLearner(spec, MODEL, TASK, temperature=1.0, checkpoint_dir=tmp)
+
+
+def _rollouts(engine: TorchEngine, prompts: list[Prompt], version: int, g: int = 8) -> list:  # type: ignore[type-arg]
+    return list(zip(prompts, engine.generate(prompts, version, n=g), strict=True))
+
+
+def test_training_raises_reward_over_its_start_with_a_fixed_seed() -> None:
+    torch.manual_seed(0)
+    learner = _learner()
+    w = learner.initial()
+    engine = TorchEngine(EngineSpec(model=MODEL, max_new_tokens=5, temperature=1.0, seed=1))
+    prompts = TASK.prompts(7)
+    accuracy = []
+    for v in range(90):
+        engine.apply(WeightUpdate(v, w.digest(), w, None))
+        w = learner.step(_rollouts(engine, [next(prompts) for _ in range(32)], v))
+        accuracy.append(learner.stats["accuracy"])
+        assert learner.version == v + 1
+    first, last = sum(accuracy[:15]) / 15, sum(accuracy[-15:]) / 15
+    assert first > 0.05  # the warm start puts reward above zero
+    assert last > first + 0.08, (first, last)
+
+
+def test_the_published_version_is_the_bf16_cast_of_the_master_weights() -> None:
+    learner = _learner(warm_start_steps=0)
+    w0 = learner.initial()
+    engine = TorchEngine(EngineSpec(model=MODEL, max_new_tokens=4))
+    engine.apply(WeightUpdate(0, w0.digest(), w0, None))
+    w1 = learner.step(_rollouts(engine, [next(TASK.prompts(1)) for _ in range(4)], 0))
+    for n, p in learner.params.items():
+        assert p.dtype == torch.float32
+        assert torch.equal(w1.to_tensors()[n].view(torch.int16), p.detach().to(torch.bfloat16).view(torch.int16))
+    assert learner.stats["samples"] == 32
+
+
+def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() -> None:
+    learner = _learner(epochs=1)
+    w = learner.initial()
+    engine = TorchEngine(EngineSpec(model=MODEL, max_new_tokens=5, seed=3))
+    engine.apply(WeightUpdate(0, w.digest(), w, None))
+    batch = _rollouts(engine, [next(TASK.prompts(11)) for _ in range(32)], 0)
+
+    def logp(correct: bool) -> float:
+        vals = []
+        for p, c in batch:
+            for s in c.samples:
+                if TASK.score(p.answer, s.text).correct is correct:
+                    ids = torch.tensor([c.prompt_tokens + s.tokens])
+                    with torch.no_grad():
+                        lp = learner._logp(learner.model, ids, torch.ones_like(ids))
+                    vals.append(float(lp[0, len(c.prompt_tokens) - 1 :].sum()))
+        return sum(vals) / len(vals)
+
+    good, bad = logp(True), logp(False)
+    for _ in range(8):
+        learner.step(batch)
+    assert logp(True) - logp(False) > good - bad + 0.5
+
+
+def test_a_checkpoint_resumes_master_weights_and_optimiser_state_exactly(tmp_path: Path) -> None:
+    a = _learner(tmp_path, warm_start_steps=10, checkpoint_every=2)
+    w = a.initial()
+    engine = TorchEngine(EngineSpec(model=MODEL, max_new_tokens=4))
+    prompts = [next(TASK.prompts(5)) for _ in range(8)]
+    for v in range(2):
+        engine.apply(WeightUpdate(v, w.digest(), w, None))
+        w = a.step(_rollouts(engine, prompts, v))
+    assert json.loads((tmp_path / "v00000002" / "meta.json").read_text())["version"] == 2
+    engine.apply(WeightUpdate(2, w.digest(), w, None))
+    batch = _rollouts(engine, prompts, 2)
+    b = _learner(tmp_path, warm_start_steps=10, checkpoint_every=2)
+    b.restore(w, 2)
+    assert b.version == 2
+    wa, wb = a.step(batch), b.step(batch)  # the same step from the same state
+    assert wa.digest() == wb.digest()
+
+
+def test_restoring_without_a_checkpoint_starts_from_the_stored_version(tmp_path: Path) -> None:
+    a = _learner(warm_start_steps=5)
+    w = a.initial()
+    b = _learner(tmp_path, warm_start_steps=0)
+    b.restore(w, 7)
+    assert b.weights().digest() == w.digest()
+    assert b.version == 7
+
+
+def test_bad_hyper_parameters_are_config_errors_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="group_size"):
+        GrpoSpec(group_size=1)
+    with pytest.raises(ConfigError, match="clip_eps"):
+        GrpoSpec(clip_eps=1.5)
+    with pytest.raises(ConfigError, match=r"engine\.temperature"):
+        GrpoLearner(GrpoSpec(), MODEL, TASK, temperature=0.0)
+
+
+def test_a_jsonl_task_reads_prompts_and_answers_and_names_a_bad_line(tmp_path: Path) -> None:
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"prompt": "abc reversed:", "answer": "cba"}\n\n{"prompt": "xy reversed:", "answer": "yx"}\n')
+    task = make_task({"kind": "jsonl", "path": "data.jsonl"}, str(tmp_path / "topo.yaml"))
+    assert isinstance(task, JsonlTask)
+    seen = [p for _, p in zip(range(4), task.prompts(0), strict=False)]
+    assert sorted({(p.text, p.answer) for p in seen}) == [("abc reversed:", "cba"), ("xy reversed:", "yx")]
+    assert [p.id for p in seen] == [0, 1, 2, 3]
+    assert task.score("cba", " cba").correct
+    assert task.score("cba", "cbx").reward == pytest.approx(0.5 * 2 / 3)
+    f.write_text('{"prompt": "a"}\n')
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1"):
+        make_task({"kind": "jsonl", "path": str(f)})
+    with pytest.raises(ConfigError, match=r"task\.kind"):
+        make_task({"kind": "poetry"})
