@@ -92,6 +92,8 @@ class VersionFlow:
         self._incoming: _Incoming | None = None
         self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
         self.weights_lock = asyncio.Lock()
+        self.committed = asyncio.Event()
+        """Set at every commit (a waiter clears it first): a rollout's worker wakes on a new version."""
         self.bytes_in = 0
         """Delta bytes received from parents (manifests and chunks)."""
         self.last_published: dict[str, Any] = {}
@@ -330,6 +332,7 @@ class VersionFlow:
         return frozenset(out)
 
     def _changed(self, version: int, touched: frozenset[str] | None) -> None:
+        self.committed.set()
         self.changed[version] = touched
         while len(self.changed) > 4 * self.keep_versions:
             self.changed.popitem(last=False)

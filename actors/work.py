@@ -3,7 +3,7 @@
 Work messages travel the same channels as the weight versions. Upward (from a
 worker towards the trainer; relays forward them to their parent unchanged):
 
-* ``want`` {w, n} — the worker can take up to n prompts;
+* ``want`` {w, n, v} — the worker can take up to n prompts, generating with version v;
 * ``renew`` {w, tokens} — keep these leases alive;
 * ``result`` {w, item, token, v} + a `Completion` (its wire form) — the prompt's group
   of samples, generated with version v.
@@ -24,6 +24,12 @@ Invariants (the coordinator, `WorkPool`):
 * the learner takes accepted results oldest first, and never one that has become
   more than ``max_stale`` versions older than the version it trains from;
 * prompts' answers stay in the pool (rewards are the trainer's to compute).
+* work is leased for what the learner will train on, not for rollouts that would go
+  stale in the pool: with a learner batch of B prompts, leased plus accepted-but-not-
+  taken prompts stay within ``leases.ahead_steps`` × B, and a worker whose version
+  would already be too stale for the learner's next step gets work only while the
+  current step is short of results. A ``want`` refused for either reason is parked
+  and answered when room opens (a batch taken, a lease ended).
 * a worker that goes silent stops renewing; its leases expire and their
   prompts go to other workers; its late results are rejected (fenced).
 
@@ -69,6 +75,8 @@ class WorkPool:
     max_stale: int
     prompts: Iterator[Prompt]
     group_size: int = 1
+    batch: int = 0
+    """The learner's prompts per step (0: it does not take batches; leasing is not bounded)."""
     table: LeaseTable = field(init=False)
     open: dict[int, Prompt] = field(default_factory=dict)
     samples: list[tuple[Prompt, Completion]] = field(default_factory=list)
@@ -78,7 +86,10 @@ class WorkPool:
     rejected: Counter[str] = field(default_factory=Counter)
     log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
     """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
+    parked: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version)."""
     _more: asyncio.Event = field(default_factory=asyncio.Event)
+    _room: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         # tokens start from the clock (µs, with room for 4096 grants per µs), so a restarted
@@ -86,13 +97,58 @@ class WorkPool:
         self.table = LeaseTable(ttl_s=self.leases.ttl_s, max_batch=self.leases.prompts_per_lease,
                                 batch_s=self.leases.batch_s, first_token=(time.time_ns() // 1000) << 12)  # fmt: skip
 
-    def want(self, worker: str, n: int, now: float) -> list[tuple[Lease, Prompt]]:
-        n = max(0, min(n, self.leases.prompts_per_lease))
+    def room(self) -> int | None:
+        """Prompts that may still be leased under the ``ahead_steps`` bound (None: unbounded)."""
+        if not self.batch or not self.leases.ahead_steps:
+            return None
+        return max(0, self.leases.ahead_steps * self.batch - self.table.in_flight - len(self.samples))
+
+    def _useful(self, version: int | None, current: int) -> bool:
+        """Would results of ``version`` be used: still fresh for the next step, or needed now."""
+        if not self.batch or version is None or current + 1 - version <= self.max_stale:
+            return True
+        fresh = sum(1 for _, c in self.samples if current - c.version <= self.max_stale)
+        return fresh + self.table.in_flight < self.batch
+
+    def want(self, worker: str, n: int, now: float, version: int | None = None,
+             current: int = 0) -> list[tuple[Lease, Prompt]]:  # fmt: skip
+        """Grant up to ``n`` prompts to a worker generating with ``version`` while the trainer is
+        at ``current``; a want that gets nothing is parked until `unpark`."""
+        asked = max(0, min(n, self.leases.prompts_per_lease))
+        room = self.room()
+        n = asked if room is None else min(asked, room)
+        if not self._useful(version, current):
+            n = 0
+        self.parked.pop(worker, None)
+        if n == 0:
+            if asked:
+                self.parked[worker] = (asked, version)
+            return []
         while self.table.pending < n:  # the pool is endless: top it up on demand
             p = next(self.prompts)
             self.open[p.id] = p
             self.table.add_items([p.id])
         return [(lease, self.open[cast(int, lease.item)]) for lease in self.table.grant(worker, now, n)]
+
+    def unpark(self, now: float, current: int = 0) -> dict[str, list[tuple[Lease, Prompt]]]:
+        """Grant parked wants where there is room for them now, oldest first."""
+        out = {}
+        for worker, (n, version) in list(self.parked.items()):
+            if self.room() == 0:
+                break
+            granted = self.want(worker, n, now, version, current)
+            if granted:
+                out[worker] = granted
+        return out
+
+    async def wait_room(self, timeout_s: float) -> None:
+        """Until a batch was taken (room may have opened) or ``timeout_s`` passed."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._room.wait()
+        except TimeoutError:
+            pass
+        self._room.clear()
 
     def renew(self, worker: str, tokens: list[int], now: float) -> list[Lease]:
         return self.table.renew(worker, tokens, now)
@@ -138,13 +194,14 @@ class WorkPool:
             self.samples = fresh
             if len(fresh) >= n:
                 out, self.samples = fresh[:n], fresh[n:]
+                self._room.set()
                 return out
             self._more.clear()
             await self._more.wait()
 
     def stats(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "rejected": dict(self.rejected), "in_flight": self.table.in_flight,
-                "pending": self.table.pending, "dropped_stale": self.dropped_stale}  # fmt: skip
+                "pending": self.table.pending, "dropped_stale": self.dropped_stale, "parked": len(self.parked)}  # fmt: skip
 
 
 class Coordinator(Actor):
@@ -160,9 +217,16 @@ class Coordinator(Actor):
         self.down = down
 
     async def main(self) -> None:
-        while True:  # expire leases on time even when no message comes
-            self.pool.expire(time.monotonic())
-            await asyncio.sleep(min(1.0, self.pool.leases.ttl_s / 4))
+        while True:  # expire leases on time even when no message comes; answer parked wants
+            now = time.monotonic()
+            self.pool.expire(now)
+            for w, granted in self.pool.unpark(now, self.flow.version or 0).items():
+                await self._grant(w, granted)
+            await self.pool.wait_room(min(1.0, self.pool.leases.ttl_s / 4))
+
+    async def _grant(self, w: str, granted: list[tuple[Lease, Prompt]]) -> None:
+        leases = [[lease.item, lease.token, lease.ttl_s, p.text] for lease, p in granted]
+        await self.down({"k": "grant", "w": w, "n": self.pool.group_size, "leases": leases}, ())
 
     async def receive(self, msg: Message) -> None:
         try:
@@ -175,10 +239,10 @@ class Coordinator(Actor):
         w = str(h["w"])
         k = h.get("k")
         if k == "want":
-            granted = self.pool.want(w, int(h["n"]), now)
+            v = h.get("v")
+            granted = self.pool.want(w, int(h["n"]), now, None if v is None else int(v), self.flow.version or 0)
             if granted:
-                leases = [[lease.item, lease.token, lease.ttl_s, p.text] for lease, p in granted]
-                await self.down({"k": "grant", "w": w, "n": self.pool.group_size, "leases": leases}, ())
+                await self._grant(w, granted)
         elif k == "renew":
             renewed = self.pool.renew(w, [int(t) for t in h["tokens"]], now)
             if renewed:
@@ -296,12 +360,17 @@ class Worker(Actor):
         held = [self.prompts[i] for i in self.holder.items if i in self.prompts]
         if not held:
             self.granted.clear()
-            if await self.up({"k": "want", "w": self.name, "n": self.leases.prompts_per_lease}, ()):
+            self.flow.committed.clear()
+            want = {"k": "want", "w": self.name, "n": self.leases.prompts_per_lease, "v": self.engine.version}
+            if await self.up(want, ()):
+                # a grant, or a new version (switch, then ask again with it: work may wait for it)
+                waits = [asyncio.ensure_future(e.wait()) for e in (self.granted, self.flow.committed)]
                 try:
-                    async with asyncio.timeout(max(1.0, self.leases.ttl_s / 4)):
-                        await self.granted.wait()
-                except TimeoutError:
-                    pass
+                    await asyncio.wait(waits, timeout=max(1.0, self.leases.ttl_s / 4),
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                finally:
+                    for f in waits:
+                        f.cancel()
             else:
                 await asyncio.sleep(0.1)  # not attached: wait for the uplink
             return

@@ -519,8 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from aurora.logs import configure
 
-    # run and status show a display; their own connections' info logs would only clutter it
-    quiet = args.cmd in ("run", "status") and args.log_level == "info"
+    # run, status and bench rl show a display; their own connections' info logs would only clutter it
+    shows = args.cmd in ("run", "status") or (args.cmd, getattr(args, "bench_cmd", None)) == ("bench", "rl")
+    quiet = shows and args.log_level == "info"
     configure("warning" if quiet else args.log_level, args.log_format)
     sub = getattr(args, f"{args.cmd}_cmd", None)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,3 +63,28 @@ def wait_until(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
+
+
+def rl_topology(tmp_path: Path, steps: int, engine: str = "torch", lr: float = 1e-3) -> Path:
+    """A small RL cluster (trainer, relay, 2 rollouts) learning single-digit addition with GRPO."""
+    p = free_ports(2)
+    topo = tmp_path / "rl.yaml"
+    topo.write_text(f"""
+name: rl-test
+regions: [{{name: local}}]
+nodes:
+  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{p[0]}"}}
+  - {{name: relay, role: relay, region: local, listen: "tcp://127.0.0.1:{p[1]}", parent: trainer}}
+  - {{name: rollout-1, role: rollout, region: local, parent: relay}}
+  - {{name: rollout-2, role: rollout, region: local, parent: relay}}
+heartbeat: {{interval_s: 0.5, suspect_after_s: 1.5, lost_after_s: 3.0}}
+leases: {{ttl_s: 10.0, prompts_per_lease: 8, batch_s: 1.0}}
+staleness: {{max_versions: 1}}
+model: {{path: model, preset: tiny, seed: 0}}
+task: {{kind: arithmetic, max_operand: 9}}
+learner: {{kind: grpo, group_size: 8, prompts_per_step: 32, lr: {lr}, warm_start_steps: 70,
+          checkpoint_every: 10, seed: 0}}
+engine: {{kind: {engine}, max_new_tokens: 5, temperature: 1.0, seed: 0}}
+run: {{steps: {steps}}}
+""")
+    return topo

@@ -136,3 +136,24 @@ def test_topology_check_prints_the_tree_or_one_line_naming_the_path(tmp_path: Pa
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2
     assert r.stderr.strip() == f"aurora: error: {bad}:nodes[0].region: no region named 'b'"
+
+
+def test_model_init_writes_a_loadable_model_and_refuses_a_used_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = tmp_path / "tiny"
+    assert main(["model", "init", str(d), "--preset", "tiny", "--seed", "3"]) == 0
+    assert str(d) in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(str(d))
+    assert model.config.model_type == "qwen3"
+    assert next(model.parameters()).dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert tok.decode(tok("12+7=")["input_ids"], skip_special_tokens=True) == "12+7="
+    before = (d / "model.safetensors").read_bytes()
+    assert main(["model", "init", str(d)]) == 2  # never overwrites a model
+    assert "not empty" in capsys.readouterr().err
+    assert (d / "model.safetensors").read_bytes() == before
+    assert main(["model", "init", str(tmp_path / "other"), "--seed", "3"]) == 0
+    assert (tmp_path / "other" / "model.safetensors").read_bytes() == before  # the seed fixes the weights

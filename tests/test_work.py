@@ -71,3 +71,43 @@ async def test_the_learner_never_takes_results_grown_too_stale_while_they_waited
     assert [c.version for _, c in got] == [4, 5]
     assert pool.dropped_stale == 1
     assert pool.stats()["dropped_stale"] == 1
+
+
+async def test_leasing_stays_within_ahead_steps_batches_and_parked_wants_are_answered_after_a_take() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def down(header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
+        sent.append(dict(header))
+        return True
+
+    spec = LeaseSpec(ttl_s=5.0, prompts_per_lease=2, ahead_steps=2)
+    pool = WorkPool(spec, 1, ArithmeticTask().prompts(0), group_size=2, batch=1)
+    coord = Coordinator(pool, VersionFlow("trainer", None, 0), down)
+    for w in ("w1", "w2", "w3"):  # room for 2 × 1 prompts: the third want is parked
+        await coord.receive(Message({"k": "want", "w": w, "n": 2}, ()))
+    assert [g["w"] for g in sent] == ["w1", "w2"]
+    assert pool.parked == {"w3": (2, None)}
+    for g in sent[:2]:  # the verdicts are appended to sent meanwhile
+        ((item, token, _, _),) = g["leases"]
+        await coord.receive(_result(g["w"], item, token, 0))
+    assert pool.room() == 0  # two accepted results wait for the learner: still no room
+    assert pool.unpark(0.0) == {}
+    await pool.take(1)  # the learner takes one: room for one more
+    await pool.wait_room(0.01)
+    granted = pool.unpark(0.0)
+    assert list(granted) == ["w3"]
+    assert len(granted["w3"]) == 1
+    assert pool.parked == {}
+    assert pool.stats()["parked"] == 0
+
+
+def test_a_worker_too_stale_for_the_next_step_gets_work_only_while_the_current_step_is_short() -> None:
+    spec = LeaseSpec(ttl_s=5.0, prompts_per_lease=4, ahead_steps=4)
+    pool = WorkPool(spec, 1, ArithmeticTask().prompts(0), group_size=2, batch=2)
+    assert len(pool.want("fresh", 4, 0.0, version=5, current=5)) == 1  # unmeasured worker: one prompt
+    assert len(pool.want("old", 4, 0.0, version=4, current=5)) == 1  # the step still needs results: ok
+    assert pool.want("old-2", 4, 0.0, version=4, current=5) == []  # 2 in flight = the batch: v4 would go stale
+    assert pool.parked == {"old-2": (4, 4)}
+    assert pool.unpark(0.0, current=5) == {}  # room, but still too old
+    assert pool.want("old-2", 4, 0.0, version=5, current=5) != []  # switched to v5: useful again
+    assert pool.parked == {}

@@ -129,6 +129,9 @@ class LeaseSpec:
     """The most prompts one grant gives a worker."""
     batch_s: float = 2.0
     """Seconds of work a grant aims at, by the worker's measured rate (a worker not yet measured gets 1)."""
+    ahead_steps: int = 2
+    """Prompts leased or waiting for the learner stay within this many learner steps' worth, so workers
+    generate what the learner will use before it goes stale instead of racing ahead (0: no bound)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
