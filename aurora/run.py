@@ -59,6 +59,8 @@ class Cluster:
         self.status = {n.name: NodeStatus(n.name, n.role) for n in topo.nodes}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
+        self.threads = compute_threads(topo)
+        """Each node's share of this machine's cores (OMP_NUM_THREADS), None when the user set it."""
 
     def order(self) -> list[str]:
         """Parents before children (breadth-first from the trainer)."""
@@ -72,7 +74,9 @@ class Cluster:
         argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
                 "--name", name]  # fmt: skip
         argv += ["--store", str(self.state / name)]
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                             env=env)  # fmt: skip
         self.procs[name] = p
         assert p.stderr is not None
         threading.Thread(target=self._read, args=(name, p.stderr), daemon=True).start()
@@ -158,9 +162,23 @@ def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0,
     if state is None:
         state = Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress(f"state, logs and metrics: {state}")
-    status = _run(Cluster(path, topo, tree, state), progress, interval_s)
+    cluster = Cluster(path, topo, tree, state)
+    if cluster.threads is not None:
+        progress(f"{cluster.threads} torch thread(s) per node ({os.cpu_count()} CPUs; OMP_NUM_THREADS overrides)")
+    status = _run(cluster, progress, interval_s)
     report(state / f"{topo.trainer.name}.log", state, topo.name, progress)
     return status
+
+
+def compute_threads(topo: Topology) -> int | None:
+    """Torch threads per node when every node runs on this machine: the cores shared out among
+    the nodes that compute (the trainer and the rollouts with an engine), at least 1, so that
+    their thread pools do not oversubscribe the cores (each would otherwise take them all).
+    None when ``OMP_NUM_THREADS`` is already set: the user's choice stands."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    computing = 1 + sum(1 for n in topo.nodes if n.role == "rollout") if topo.engine else 1
+    return max(1, (os.cpu_count() or 1) // computing)
 
 
 def ensure_model(topo: Topology, path: Path, progress: Progress) -> None:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import free_ports
 
 
@@ -60,3 +62,17 @@ nodes:
                            timeout=240)  # fmt: skip
     assert r.returncode == 2
     assert "node 'trainer' exited" in r.stderr
+
+
+def test_aurora_run_shares_the_cores_among_the_computing_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aurora.config.topology import load_topology
+    from aurora.run import compute_threads
+
+    topo = load_topology(Path(__file__).parent.parent / "topologies" / "local.yaml")  # trainer + 4 rollouts compute
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert compute_threads(topo) == 3
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert compute_threads(topo) == 1  # never below one
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert compute_threads(topo) is None  # the user's setting stands
