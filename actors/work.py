@@ -86,8 +86,9 @@ class WorkPool:
     rejected: Counter[str] = field(default_factory=Counter)
     log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
     """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
-    parked: dict[str, tuple[int, int | None]] = field(default_factory=dict)
-    """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version)."""
+    parked: dict[str, tuple[int, int | None, float]] = field(default_factory=dict)
+    """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version, when). An idle
+    worker asks again every few seconds, so a want older than half a lease TTL is from one gone."""
     _more: asyncio.Event = field(default_factory=asyncio.Event)
     _room: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -122,7 +123,7 @@ class WorkPool:
         self.parked.pop(worker, None)
         if n == 0:
             if asked:
-                self.parked[worker] = (asked, version)
+                self.parked[worker] = (asked, version, now)
             return []
         while self.table.pending < n:  # the pool is endless: top it up on demand
             p = next(self.prompts)
@@ -133,7 +134,10 @@ class WorkPool:
     def unpark(self, now: float, current: int = 0) -> dict[str, list[tuple[Lease, Prompt]]]:
         """Grant parked wants where there is room for them now, oldest first."""
         out = {}
-        for worker, (n, version) in list(self.parked.items()):
+        for worker, (n, version, since) in list(self.parked.items()):
+            if now - since > max(2.0, self.leases.ttl_s / 2):
+                del self.parked[worker]  # its worker stopped asking: do not lease to it
+                continue
             if self.room() == 0:
                 break
             granted = self.want(worker, n, now, version, current)

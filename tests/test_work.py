@@ -86,7 +86,7 @@ async def test_leasing_stays_within_ahead_steps_batches_and_parked_wants_are_ans
     for w in ("w1", "w2", "w3"):  # room for 2 × 1 prompts: the third want is parked
         await coord.receive(Message({"k": "want", "w": w, "n": 2}, ()))
     assert [g["w"] for g in sent] == ["w1", "w2"]
-    assert pool.parked == {"w3": (2, None)}
+    assert {w: (n, v) for w, (n, v, _) in pool.parked.items()} == {"w3": (2, None)}
     for g in sent[:2]:  # the verdicts are appended to sent meanwhile
         ((item, token, _, _),) = g["leases"]
         await coord.receive(_result(g["w"], item, token, 0))
@@ -107,7 +107,10 @@ def test_a_worker_too_stale_for_the_next_step_gets_work_only_while_the_current_s
     assert len(pool.want("fresh", 4, 0.0, version=5, current=5)) == 1  # unmeasured worker: one prompt
     assert len(pool.want("old", 4, 0.0, version=4, current=5)) == 1  # the step still needs results: ok
     assert pool.want("old-2", 4, 0.0, version=4, current=5) == []  # 2 in flight = the batch: v4 would go stale
-    assert pool.parked == {"old-2": (4, 4)}
+    assert pool.parked == {"old-2": (4, 4, 0.0)}
     assert pool.unpark(0.0, current=5) == {}  # room, but still too old
     assert pool.want("old-2", 4, 0.0, version=5, current=5) != []  # switched to v5: useful again
+    assert pool.parked == {}
+    assert pool.want("gone", 4, 0.0, version=4, current=5) == []
+    assert pool.unpark(2.6, current=6) == {}  # it has not asked again for half a TTL: dropped, not leased to
     assert pool.parked == {}
