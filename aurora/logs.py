@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,3 +67,8 @@ def read_events(log: Path) -> list[dict[str, Any]]:
             except ValueError:
                 continue
     return out
+
+
+def event_time(e: Mapping[str, Any]) -> float:
+    """An event's timestamp (ISO 8601, UTC, as `configure` writes it) as seconds since the epoch."""
+    return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()

@@ -10,22 +10,22 @@ Rows are in version order; a field the log does not have is None.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-
-from aurora.logs import read_events
 
 STEP_FIELDS = ("reward", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "staleness", "groups",
                "groups_skipped", "samples", "tokens", "learn_s")  # fmt: skip
 
 
-def collect(trainer_log: Path) -> list[dict[str, Any]]:
+def collect(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows from the trainer's events (`aurora.logs.read_events` of its log)."""
     rows: dict[int, dict[str, Any]] = {}
 
     def row(v: int) -> dict[str, Any]:
         return rows.setdefault(v, {"version": v})
 
-    for e in read_events(trainer_log):
+    for e in events:
         ev, v = e.get("event"), e.get("version")
         if not isinstance(v, int):
             continue

@@ -30,6 +30,7 @@ from aurora.actors.status import STATUS_EVERY_S, fetch_status, render
 from aurora.config.plan import Tree, plan
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
+from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
 from aurora.model import init_model_dir
 
@@ -196,7 +197,7 @@ def report(trainer_log: Path, state: Path, title: str, progress: Progress) -> No
     """Write ``metrics.jsonl`` and ``metrics.png`` from the trainer's log (when it trained)."""
     if not trainer_log.is_file():
         return
-    rows = collect(trainer_log)
+    rows = collect(read_events(trainer_log))
     if not any(r.get("reward") is not None for r in rows):
         return
     write_jsonl(rows, state / "metrics.jsonl")

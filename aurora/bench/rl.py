@@ -23,7 +23,6 @@ import copy
 import json
 import tempfile
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,10 @@ import yaml
 
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError
-from aurora.logs import read_events
+from aurora.logs import event_time, read_events
 from aurora.metrics import collect
 from aurora.model import ModelSpec
 from aurora.run import run
-
-
-def _t(e: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(e["timestamp"])).timestamp()
 
 
 def _variant(raw: dict[str, Any], file: Path, steps: int, ideal: bool) -> dict[str, Any]:
@@ -59,16 +54,21 @@ def _variant(raw: dict[str, Any], file: Path, steps: int, ideal: bool) -> dict[s
 
 
 def measure(state: Path, trainer: str, rollouts: list[str], warmup: int) -> dict[str, Any]:
-    steps = [e for e in read_events(state / f"{trainer}.log") if e.get("event") == "step"]
+    events = read_events(state / f"{trainer}.log")
+    steps = [e for e in events if e.get("event") == "step"]
     if len(steps) <= warmup + 1:
         raise ConfigError(f"the run made {len(steps)} steps; need more than warmup + 1 = {warmup + 1}")
-    t0, t1 = _t(steps[warmup]), _t(steps[-1])
+    t0, t1 = event_time(steps[warmup]), event_time(steps[-1])
     tokens = sum(int(e["tokens"]) for e in steps[warmup + 1 :])
     paused = []
     for r in rollouts:
-        sw = [e for e in read_events(state / f"{r}.log") if e.get("event") == "engine_switched" and t0 <= _t(e) <= t1]
+        sw = [
+            e
+            for e in read_events(state / f"{r}.log")
+            if e.get("event") == "engine_switched" and t0 <= event_time(e) <= t1
+        ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
-    rows = [r for r in collect(state / f"{trainer}.log") if r["version"] > warmup]
+    rows = [r for r in collect(events) if r["version"] > warmup]
 
     def mean(key: str) -> float | None:
         vals = [float(r[key]) for r in rows if r.get(key) is not None]

@@ -37,7 +37,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from aurora.codec.encoder import encode
 from aurora.codec.warm import warm_up
 from aurora.errors import AuroraError
 from aurora.learner import SyntheticLearner, SyntheticSpec
-from aurora.logs import read_events
+from aurora.logs import event_time, read_events
 from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]
@@ -117,10 +116,6 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
         f"run: {{steps: {steps}}}",
         "",
     ])  # fmt: skip
-
-
-def _at(e: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 class _Cluster:
@@ -220,17 +215,17 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         # ready once every node holds weights (its first commit: the snapshot it got on attaching)
         cl.wait(lambda: all(cl.events(n, "version_committed") for n in others), START_TIMEOUT_S + 20 * est,
                 "every node's first weights")  # fmt: skip
-        ready = max(_at(cl.events(n, "version_committed")[0]) for n in others)
+        ready = max(event_time(cl.events(n, "version_committed")[0]) for n in others)
 
         def timed() -> dict[int, tuple[int, float]]:
             """version -> (bytes, publication start to the last commit), from the logs (one clock: one host)."""
             commits: dict[int, list[float]] = {}
             for n in others:
                 for e in cl.events(n, "version_committed"):
-                    commits.setdefault(e["version"], []).append(_at(e))
+                    commits.setdefault(e["version"], []).append(event_time(e))
             out = {}
             for e in cl.events("trainer", "version_published"):
-                began, got = _at(e) - float(e["publish_s"]), commits.get(e["version"], [])
+                began, got = event_time(e) - float(e["publish_s"]), commits.get(e["version"], [])
                 if began > ready and len(got) == len(others):
                     out[e["version"]] = (int(e["bytes"]), max(got) - began)
             return dict(sorted(out.items())[1:])  # the first one after attaching is warm-up
