@@ -49,12 +49,10 @@ def versions(model: ModelSpec) -> list[Weights]:
     return [learner.initial().copy(), learner.step().copy(), learner.step().copy()]
 
 
-_made: dict[str, Engine] = {}
-
-
 @pytest.fixture(scope="module")
 def engines(model: ModelSpec) -> Iterator[Callable[..., Engine]]:
     """Engines by kind; a vLLM engine is made once per module (it takes seconds to start) and reused."""
+    made: dict[str, Engine] = {}
 
     def make(kind: str, **kw: object) -> Engine:
         spec = EngineSpec(kind=kind, model=model, **kw)  # type: ignore[arg-type]
@@ -62,13 +60,13 @@ def engines(model: ModelSpec) -> Iterator[Callable[..., Engine]]:
             from aurora.vllm_engine import VllmEngine
 
             key = repr(sorted(kw.items()))
-            if key not in _made:
-                _made[key] = VllmEngine(spec)
-            return _made[key]
+            if key not in made:
+                made[key] = VllmEngine(spec)
+            return made[key]
         return TorchEngine(spec) if kind == "torch" else SyntheticEngine(spec)
 
     yield make
-    _made.clear()
+    made.clear()
 
 
 KINDS = ["torch", "synthetic", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
