@@ -397,6 +397,7 @@ class Worker(Actor):
         """At a batch boundary: bring the engine to the newest committed version."""
         if self.flow.version == self.engine.version:
             return
+        was = self.engine.version  # None: the first load of this engine, not a version switch
         t0 = time.perf_counter()
         async with self.flow.weights_lock:  # the host copy does not change while the engine reads it
             v, digest, w = self.flow.version, self.flow.digest, self.flow.weights
@@ -408,8 +409,8 @@ class Worker(Actor):
         dt = time.perf_counter() - t0
         self.stats.switches += 1
         self.stats.switch_s += dt
-        log.info("engine_switched", version=v, tensors="all" if upd.touched is None else len(upd.touched),
-                 switch_ms=round(dt * 1e3, 2))  # fmt: skip
+        log.info("engine_switched", version=v, from_version=was,
+                 tensors="all" if upd.touched is None else len(upd.touched), switch_ms=round(dt * 1e3, 2))  # fmt: skip
 
 
 async def tell_or_drop(ref: Any, msg: Message) -> None:

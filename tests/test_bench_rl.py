@@ -10,11 +10,33 @@ from pathlib import Path
 
 import pytest
 
+from aurora.bench.rl import measure
 from tests.helpers import rl_topology
 
-pytestmark = pytest.mark.slow
+
+def _log(path: Path, events: list[dict]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
+def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path) -> None:
+    """A rollout that attaches (or restarts) inside the timed window loads its first version
+    there: that is start-up, not generation paused for a switch (the ideal run's CI flake)."""
+    at = lambda s: f"2026-12-03T08:00:{s:02d}.000000Z"  # noqa: E731
+    _log(tmp_path / "trainer.log", [{"event": "step", "version": v, "tokens": 100, "timestamp": at(2 * v)}
+                                    for v in range(1, 7)])  # fmt: skip
+    _log(tmp_path / "r0.log", [{"event": "engine_switched", "version": 0, "from_version": None,
+                                "switch_ms": 500.0, "timestamp": at(5)}])  # fmt: skip
+    _log(tmp_path / "r1.log", [{"event": "engine_switched", "version": 3, "from_version": 2,
+                                "switch_ms": 400.0, "timestamp": at(6)},
+                               {"event": "engine_switched", "version": 1, "from_version": 0,
+                                "switch_ms": 900.0, "timestamp": at(1)}])  # before the window  # fmt: skip
+    m = measure(tmp_path, "trainer", ["r0", "r1"], warmup=1)  # window: step 2 (4 s) to step 6 (12 s)
+    assert m["window_s"] == pytest.approx(8.0)
+    assert m["tokens_s"] == pytest.approx(400 / 8.0)
+    assert m["paused"] == pytest.approx((0.0 + 0.4 / 8.0) / 2)
+
+
+@pytest.mark.slow
 def test_bench_rl_prints_sync_next_to_the_ideal(tmp_path: Path) -> None:
     topo = rl_topology(tmp_path, steps=1)  # the bench sets the steps
     out = tmp_path / "rl.json"

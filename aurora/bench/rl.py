@@ -14,7 +14,9 @@ costs the same in both whatever the weights say:
 Measured from the logs (one host clock): tokens/s = tokens of the results the
 learner trained on, from the end of step ``warmup`` to the last step, over that
 time; *paused* = for each rollout, the time its engine spent switching versions
-(``engine_switched``) within that window, over the window, averaged over rollouts.
+(``engine_switched``) within that window, over the window, averaged over rollouts. An
+engine's first load (``from_version`` null: a rollout that attached late, or restarted) is
+start-up, not a switch, and is not counted.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def measure(state: Path, trainer: str, rollouts: list[str], warmup: int) -> dict
         sw = [
             e
             for e in read_events(state / f"{r}.log")
-            if e.get("event") == "engine_switched" and t0 <= event_time(e) <= t1
+            if e.get("event") == "engine_switched" and e.get("from_version") is not None and t0 <= event_time(e) <= t1
         ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
     rows = [r for r in collect(events) if r["version"] > warmup]
