@@ -6,7 +6,9 @@ the version that made it) and:
 
 1. scores every sample with the task (on the trainer: workers never see answers);
 2. normalises rewards within each group, ``A = (r - mean) / (std + eps)``;
-   groups whose samples all scored the same carry no signal and are skipped;
+   groups whose samples all scored the same carry no signal and are skipped (unless
+   ``skip_flat_groups`` is off: then they are trained on with advantage 0, so that a step's
+   compute does not depend on the rewards, as `aurora bench rl` needs);
 3. minimises the clipped surrogate ``-min(ρA, clip(ρ, 1±ε)A)`` per response token,
    with ``ρ = π_θ / π_behaviour`` against the log-probabilities the engine
    returned, so samples made by an older version (one-step asynchrony) are
@@ -72,6 +74,9 @@ class GrpoSpec:
     """Supervised steps on the task's answers before version 0 (for randomly initialised models)."""
     warm_start_lr: float = 3e-3
     warm_start_batch: int = 64
+    skip_flat_groups: bool = True
+    """Skip groups whose samples all scored the same (no signal). False: train on them with
+    advantage 0 too, so every step costs the same whatever the rewards (`aurora bench rl`)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -220,10 +225,10 @@ class GrpoLearner:
             correct += [s.correct for s in scores]
             stale.append(self.version - comp.version)
             std = float(r.std()) if len(r) > 1 else 0.0
-            if std < 1e-6:
+            if std < 1e-6 and self.spec.skip_flat_groups:
                 skipped += 1
                 continue
-            adv = (r - r.mean()) / (std + 1e-4)
+            adv = (r - r.mean()) / (std + 1e-4)  # all 0 for a flat group
             for s, a in zip(comp.samples, adv.tolist(), strict=True):
                 seqs.append(comp.prompt_tokens + s.tokens)
                 starts.append(len(comp.prompt_tokens))

@@ -81,6 +81,21 @@ def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() ->
     assert logp(True) - logp(False) > good - bad + 0.5
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_flat_groups_are_skipped_or_trained_on_with_advantage_zero(skip: bool) -> None:
+    """Greedy samples of a prompt are all the same, so every group is flat: skipped by default;
+    with ``skip_flat_groups: false`` the step still does its forward and backward (loss 0)."""
+    learner = _learner(warm_start_steps=0, skip_flat_groups=skip)
+    w0 = learner.initial()
+    engine = TorchEngine(EngineSpec(model=MODEL, max_new_tokens=4, temperature=0.0))
+    engine.apply(WeightUpdate(0, w0.digest(), w0, None))
+    w1 = learner.step(_rollouts(engine, [next(TASK.prompts(2)) for _ in range(4)], 0, g=4))
+    assert learner.stats["groups_skipped"] == (4 if skip else 0)
+    assert learner.stats["loss"] == (None if skip else 0.0)
+    assert learner.stats["grad_norm"] == 0.0
+    assert w1.digest() == w0.digest()  # no signal, no change (a first AdamW step on zero gradients)
+
+
 def test_a_checkpoint_resumes_master_weights_and_optimiser_state_exactly(tmp_path: Path) -> None:
     a = _learner(tmp_path, warm_start_steps=10, checkpoint_every=2)
     w = a.initial()

@@ -2,8 +2,11 @@
 
 Both runs are the same `aurora run` of one topology (trainer, relays, rollout
 engines as processes, the GRPO learner training on the task), with every
-sample generated to a fixed length (``engine.fixed_length``), so that a sample
-costs the same in both whatever the weights say:
+sample generated to a fixed length (``engine.fixed_length``) and the learner
+training on every group (``learner.skip_flat_groups: false``), so that a sample and
+a step cost the same in both whatever the weights say (the ideal's rollouts stay on
+version 0, so its rewards differ: with flat groups skipped, its learner did less
+than half the work per step and the ratio measured the learner, not the sync):
 
 * **sync**: every version goes down the relay tree as a delta; each rollout
   commits it and switches its engine between batches;
@@ -49,6 +52,7 @@ def _variant(raw: dict[str, Any], file: Path, steps: int, ideal: bool) -> dict[s
         task["path"] = str((file.parent / task["path"]).resolve())
     d["run"] = {**d.get("run", {}), "steps": steps}
     d["engine"] = {**d.get("engine", {}), "fixed_length": True}
+    d["learner"] = {**d["learner"], "skip_flat_groups": False}
     if ideal:
         d["sync"] = {**d.get("sync", {}), "deliver": False}
         d["staleness"] = {"max_versions": steps + 1}
