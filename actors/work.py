@@ -26,10 +26,12 @@ Invariants (the coordinator, `WorkPool`):
 * prompts' answers stay in the pool (rewards are the trainer's to compute).
 * work is leased for what the learner will train on, not for rollouts that would go
   stale in the pool: with a learner batch of B prompts, leased plus accepted-but-not-
-  taken prompts stay within ``leases.ahead_steps`` × B, and a worker whose version
-  would already be too stale for the learner's next step gets work only while the
-  current step is short of results. A ``want`` refused for either reason is parked
-  and answered when room opens (a batch taken, a lease ended).
+  taken prompts stay within ``leases.ahead_steps`` × B, and a worker on version u gets
+  work only while the learner's takes that may still use u's results (its next one up
+  to u + ``max_stale``) want more than the results, accepted or in flight, of versions
+  up to u that they would take first. A ``want`` refused for either reason is parked
+  and answered when room opens (a batch taken, a lease ended); the worker asks again
+  with its new version once it has switched.
 * a worker that goes silent stops renewing; its leases expire and their
   prompts go to other workers; its late results are rejected (fenced).
 
@@ -86,6 +88,12 @@ class WorkPool:
     rejected: Counter[str] = field(default_factory=Counter)
     log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
     """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
+    made_with: dict[int, int | None] = field(default_factory=dict)
+    """Per leased prompt, the version its worker said it generates with (stale entries, of
+    prompts no longer in flight, are pruned as they are met)."""
+    taken_at: int | None = None
+    """The trainer version of the learner's last take: when it is the current one, the learner
+    is training and its next take is at the next version."""
     parked: dict[str, tuple[int, int | None, float]] = field(default_factory=dict)
     """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version, when). An idle
     worker asks again every few seconds, so a want older than half a lease TTL is from one gone."""
@@ -105,11 +113,29 @@ class WorkPool:
         return max(0, self.leases.ahead_steps * self.batch - self.table.in_flight - len(self.samples))
 
     def _useful(self, version: int | None, current: int) -> bool:
-        """Would results of ``version`` be used: still fresh for the next step, or needed now."""
-        if not self.batch or version is None or current + 1 - version <= self.max_stale:
+        """Would results of ``version`` be trained on? The takes that may use them run from the
+        learner's next one to ``version + max_stale``; they are useful while those takes want
+        more than the results that they would take first (`take` goes oldest version first):
+        those accepted or in flight, made with this version or an older one still allowed."""
+        if not self.batch or version is None:
             return True
-        fresh = sum(1 for _, c in self.samples if current - c.version <= self.max_stale)
-        return fresh + self.table.in_flight < self.batch
+        first = current + 1 if self.taken_at == current else current
+        takes = version + self.max_stale - first + 1
+        if takes <= 0:
+            return False
+        supply = sum(1 for v in self._supply(current) if first - self.max_stale <= v <= version)
+        return supply < takes * self.batch
+
+    def _supply(self, current: int) -> Iterator[int]:
+        """The versions of the results the learner will be offered: accepted ones, then those in
+        flight (a worker that named no version counts as on ``current``)."""
+        for _, c in self.samples:
+            yield c.version
+        for item, v in list(self.made_with.items()):
+            if self.table.current(item) is None:
+                del self.made_with[item]
+            else:
+                yield current if v is None else v
 
     def want(self, worker: str, n: int, now: float, version: int | None = None,
              current: int = 0) -> list[tuple[Lease, Prompt]]:  # fmt: skip
@@ -129,7 +155,10 @@ class WorkPool:
             p = next(self.prompts)
             self.open[p.id] = p
             self.table.add_items([p.id])
-        return [(lease, self.open[cast(int, lease.item)]) for lease in self.table.grant(worker, now, n)]
+        granted = self.table.grant(worker, now, n)
+        for lease in granted:
+            self.made_with[cast(int, lease.item)] = version
+        return [(lease, self.open[cast(int, lease.item)]) for lease in granted]
 
     def unpark(self, now: float, current: int = 0) -> dict[str, list[tuple[Lease, Prompt]]]:
         """Grant parked wants where there is room for them now, oldest first."""
@@ -191,13 +220,16 @@ class WorkPool:
 
     async def take(self, n: int, current: int = 0) -> list[tuple[Prompt, Completion]]:
         """Wait for ``n`` accepted results made within ``max_stale`` of version ``current`` and
-        hand them over (oldest first); older ones are dropped."""
+        hand them over, oldest version first (a newer result can wait for the next step, an
+        older one could not), in order of acceptance within a version; older ones are dropped."""
         while True:
             fresh = [s for s in self.samples if current - s[1].version <= self.max_stale]
             self.dropped_stale += len(self.samples) - len(fresh)
             self.samples = fresh
             if len(fresh) >= n:
+                fresh.sort(key=lambda s: s[1].version)  # stable: acceptance order within a version
                 out, self.samples = fresh[:n], fresh[n:]
+                self.taken_at = current
                 self._room.set()
                 return out
             self._more.clear()

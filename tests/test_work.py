@@ -101,16 +101,34 @@ async def test_leasing_stays_within_ahead_steps_batches_and_parked_wants_are_ans
     assert pool.stats()["parked"] == 0
 
 
-def test_a_worker_too_stale_for_the_next_step_gets_work_only_while_the_current_step_is_short() -> None:
+def test_a_worker_gets_work_only_while_the_steps_that_may_use_its_version_want_more() -> None:
+    """k = 1, batch 2: v4 results serve only the take at v5 (taken oldest version first), v5
+    results the takes at v5 and v6; once the learner has taken at v5, v4 serves nothing."""
     spec = LeaseSpec(ttl_s=5.0, prompts_per_lease=4, ahead_steps=4)
     pool = WorkPool(spec, 1, ArithmeticTask().prompts(0), group_size=2, batch=2)
     assert len(pool.want("fresh", 4, 0.0, version=5, current=5)) == 1  # unmeasured worker: one prompt
-    assert len(pool.want("old", 4, 0.0, version=4, current=5)) == 1  # the step still needs results: ok
-    assert pool.want("old-2", 4, 0.0, version=4, current=5) == []  # 2 in flight = the batch: v4 would go stale
-    assert pool.parked == {"old-2": (4, 4, 0.0)}
+    assert len(pool.want("old", 4, 0.0, version=4, current=5)) == 1  # the take at v5 still needs v4 results
+    assert len(pool.want("old-2", 4, 0.0, version=4, current=5)) == 1  # v5's result comes after them
+    assert pool.want("old-3", 4, 0.0, version=4, current=5) == []  # two v4 results fill the take at v5
+    assert pool.parked == {"old-3": (4, 4, 0.0)}
     assert pool.unpark(0.0, current=5) == {}  # room, but still too old
-    assert pool.want("old-2", 4, 0.0, version=5, current=5) != []  # switched to v5: useful again
+    assert pool.want("old-3", 4, 0.0, version=5, current=5) != []  # switched to v5: useful again
     assert pool.parked == {}
     assert pool.want("gone", 4, 0.0, version=4, current=5) == []
     assert pool.unpark(2.6, current=6) == {}  # it has not asked again for half a TTL: dropped, not leased to
     assert pool.parked == {}
+
+
+async def test_the_learner_takes_the_oldest_versions_first_and_then_leases_only_for_its_next_take() -> None:
+    spec = LeaseSpec(ttl_s=5.0, prompts_per_lease=4, ahead_steps=4)
+    pool = WorkPool(spec, 1, ArithmeticTask().prompts(0), group_size=1, batch=2)
+    for w, v in (("a", 5), ("b", 4), ("c", 5), ("d", 4)):
+        (lease, p), = pool.want(w, 1, 0.0, version=v, current=5)  # fmt: skip
+        c = Completion(p.id, [1], [Sample("x", [2], [0.0])], v)
+        assert pool.result(w, p.id, lease.token, v, 5, c, 0.0) is None
+    got = await pool.take(2, current=5)
+    assert [c.version for _, c in got] == [4, 4]  # the v5 results can still serve the take at v6
+    assert pool.want("e", 1, 0.0, version=4, current=5) == []  # the learner trains: v4 serves no take now
+    assert pool.want("f", 1, 0.0, version=5, current=5) == []  # the two v5 results fill the take at v6
+    assert [c.version for _, c in await pool.take(2, current=6)] == [5, 5]
+    assert pool.dropped_stale == 0

@@ -50,6 +50,9 @@ class DeltaStore:
         if anchor_every < 1:
             raise StoreError(f"anchor_every must be >= 1, got {anchor_every}")
         self.root = Path(root)
+        self._infos: dict[int, VersionInfo] = {}
+        """Metadata read or written by this process: a version's metadata never changes while
+        it is present (pruning drops it from here too)."""
         for sub in ("anchors", "deltas", "versions"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         cfg = self.root / "store.json"
@@ -86,9 +89,12 @@ class DeltaStore:
         return isinstance(v, int) and self._meta_path(v).exists()
 
     def info(self, v: int) -> VersionInfo:
+        if (known := self._infos.get(v)) is not None:
+            return known
         p = self._meta_path(v)
         try:
-            return VersionInfo(**json.loads(p.read_text()))
+            info = self._infos[v] = VersionInfo(**json.loads(p.read_text()))
+            return info
         except FileNotFoundError:
             raise StoreError(f"version {v} is not in the store at {self.root}") from None
         except (ValueError, TypeError) as e:
@@ -97,6 +103,7 @@ class DeltaStore:
     # ------------------------------------------------------------------ writing
     def _commit(self, info: VersionInfo) -> VersionInfo:
         write_bytes(self._meta_path(info.version), json.dumps(asdict(info)).encode())
+        self._infos[info.version] = info
         return info
 
     def put_anchor(self, version: int, weights: Weights) -> VersionInfo:
@@ -195,6 +202,7 @@ class DeltaStore:
             if v in needed:
                 continue
             info = self.info(v)
+            self._infos.pop(v, None)
             self._meta_path(v).unlink()  # the commit point goes first
             (self.root / info.file).unlink(missing_ok=True)
             dropped.append(v)
