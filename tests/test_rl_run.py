@@ -29,7 +29,10 @@ def test_a_short_grpo_run_raises_the_reward(tmp_path: Path) -> None:
     assert first > 0.1  # the warm start put the reward above zero
     assert last > first + 0.05, (first, last, rewards)
     assert all(row["bytes"] > 0 and 0 < row["density"] <= 1 for row in rows)  # real deltas went out
-    assert all(row["sync_s"] is not None for row in rows)
+    # every node held every version from when the last one attached (a rollout attaching after
+    # the first steps starts from a snapshot and never holds the versions before it: no sync time)
+    synced = [row.get("sync_s") is not None for row in rows]
+    assert all(synced[synced.index(True) :]), synced
     assert all(row["staleness"] <= 1 for row in rows)  # the coordinator held the bound
     assert (state / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     checkpoints = sorted(p.name for p in (state / "trainer" / "checkpoints").iterdir())
