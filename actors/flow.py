@@ -49,9 +49,9 @@ log = structlog.get_logger("aurora.actors.flow")
 
 DEFAULT_KEEP_VERSIONS = 8
 ENCODE_SLICE_S = 0.005
-"""`publish` encodes chunks in a worker thread for about this long per hand-off: a small delta
-goes in one hand-off (each costs a scheduling round trip, milliseconds on a loaded host: 25
-per-chunk hand-offs made a 46 kB delta take 0.1 s), a big one still streams cut-through."""
+"""`publish` encodes chunks on the event loop for about this long, then routes them and yields:
+a small delta goes out in one slice, a big one still streams cut-through. (One thread hand-off
+per chunk cost a scheduling round trip each on a loaded host: 25 made a 46 kB delta take 0.1 s.)"""
 
 
 @dataclass

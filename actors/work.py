@@ -156,8 +156,9 @@ class WorkPool:
             self.open[p.id] = p
             self.table.add_items([p.id])
         granted = self.table.grant(worker, now, n)
-        for lease in granted:
-            self.made_with[cast(int, lease.item)] = version
+        if self.batch:  # only `_useful` reads it (and prunes it as it does)
+            for lease in granted:
+                self.made_with[cast(int, lease.item)] = version
         return [(lease, self.open[cast(int, lease.item)]) for lease in granted]
 
     def unpark(self, now: float, current: int = 0) -> dict[str, list[tuple[Lease, Prompt]]]:
