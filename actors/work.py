@@ -356,6 +356,7 @@ class Worker(Actor):
             self.group_size = max(1, int(h.get("n", 1)))
             for i, _, _, text in h["leases"]:
                 self.prompts[int(i)] = Prompt(int(i), str(text))
+            log.debug("leases_granted", leases=[[x.item, x.token] for x in got])
             if not self.stats.completions and not self.granted.is_set():
                 log.info("work_started", leases=len(got))
             self.granted.set()
@@ -423,6 +424,7 @@ class Worker(Actor):
             self.prompts.pop(c.prompt_id, None)
             if lease is None:
                 continue  # given up meanwhile: the coordinator has leased it to someone else
+            log.debug("result_sent", item=c.prompt_id, token=lease.token)
             await self.up({"k": "result", "w": self.name, "item": c.prompt_id, "token": lease.token, "v": version},
                           (c.to_wire(),))  # fmt: skip
 

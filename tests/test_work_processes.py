@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,9 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str) -> None:
-        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.topo),
-                "--name", name]  # fmt: skip
+        level = "debug" if name == "rollout-1" else "info"  # its lease grants and sends: see `held_leases`
+        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "--log-level", level, "node",
+                "--topology", str(self.topo), "--name", name]  # fmt: skip
         if name == "trainer":
             argv += ["--store", str(self.store)]
         with self.logs[name].open("ab") as err:
@@ -75,6 +77,20 @@ class Cluster:
         p = self.procs[name]
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        os.killpg(self.procs[name].pid, sig)
+
+    def held_leases(self, name: str) -> set[tuple[int, int]]:
+        """The (item, token) leases a worker's log says it was granted and has neither answered nor
+        given up. Exact only while the worker is stopped (its log cannot grow)."""
+        held: set[tuple[int, int]] = set()
+        for e in log_events(self.logs[name]):
+            if e["event"] == "leases_granted":
+                held |= {(int(i), int(t)) for i, t in e["leases"]}
+            elif e["event"] in ("result_sent", "lease_given_up"):
+                held.discard((int(e["item"]), int(e["token"])))
+        return held
 
     def ev(self, name: str, event: str) -> list[dict[str, Any]]:
         return [e for e in log_events(self.logs[name]) if e["event"] == event]
@@ -108,11 +124,22 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     wait_until(lambda: c.version("trainer") >= 2 and all(c.ev(r, "engine_switched") for r in rollouts), 180,
           "work under way on every rollout")  # fmt: skip
 
-    # 1. a rollout dies holding leases: they expire at the trainer and the run goes on without it
+    # 1. a rollout dies holding leases: they expire at the trainer and the run goes on without it.
+    # Leases go out only while the learner can use more results, so a worker often holds none:
+    # freeze rollout-1, read from its (now still) log whether it holds any, and kill it if so.
+    deadline = time.monotonic() + 60
+    while True:
+        c.signal("rollout-1", signal.SIGSTOP)
+        held = c.held_leases("rollout-1")
+        if held or time.monotonic() > deadline:
+            break
+        c.signal("rollout-1", signal.SIGCONT)
+        time.sleep(0.02)
     c.kill("rollout-1")
+    assert held, "rollout-1 never held a lease when looked at"
     killed_at = c.version("trainer")
-    wait_until(lambda: any(e["worker"] == "rollout-1" for e in c.ev("trainer", "lease_expired")), 10,
-          "rollout-1's leases to expire")  # fmt: skip
+    expired = lambda: {(e["item"], e["token"]) for e in c.ev("trainer", "lease_expired") if e["worker"] == "rollout-1"}  # noqa: E731
+    wait_until(lambda: held <= expired(), 10, f"rollout-1's leases {sorted(held)} to expire")
     wait_until(lambda: c.version("trainer") >= killed_at + 2, 60, "steps without rollout-1")
 
     # 2. rollout-1 comes back: it catches up and gets work again
