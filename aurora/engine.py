@@ -28,12 +28,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import msgpack
+import structlog
 import torch
 
 from aurora.codec import Weights
 from aurora.config.strict import convert
 from aurora.errors import ConfigError, DeltaFormatError, ProtocolError
 from aurora.model import ModelSpec, Tokenizer, build_model
+
+log = structlog.get_logger("aurora.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,8 @@ class _VerifiedApply:
     from the host copy in `_copy` and read their weights back in `weights`."""
 
     version: int | None
+    full_reloads = 0
+    """Times a partial copy did not hash to its version's digest and every tensor was copied again."""
 
     def weights(self) -> Weights:
         raise NotImplementedError
@@ -171,6 +176,10 @@ class _VerifiedApply:
         self.version = None  # serving nothing until the check passes
         self._copy(update.weights, update.touched)
         if self.weights().digest() != update.digest:
+            if update.touched is not None:
+                log.warning("engine_full_reload", version=update.version, touched=len(update.touched),
+                            why="the engine's weights did not hash to the version's digest")  # fmt: skip
+            self.full_reloads += 1
             self._copy(update.weights, None)
             if self.weights().digest() != update.digest:
                 raise DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")

@@ -1,4 +1,4 @@
-"""`VllmEngine`: rollouts from a real vLLM `LLM`, updated in place through vLLM's weight-reload path.
+"""`VllmEngine`: rollouts from a real vLLM `LLM`, its weights updated in place between batches.
 
 The engine runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 the ``uni`` executor), so a weight update is a function call, not a copy to
@@ -6,18 +6,24 @@ another process. It reads the model directory's config and tokenizer; the
 weights it serves come from the tree, like every engine's.
 
 Applying a version (`apply`, via `_VerifiedApply`): the node's host copy holds
-the checkpoint-format tensors; the engine reloads the touched ones with
-``collective_rpc("reload_weights", weights_iterator=…)`` — vLLM's own
-in-place reload, which also repacks the CPU backend's linear weights. vLLM
-fuses q/k/v and gate/up into one parameter each, and a partial group would
-leave the others uninitialised, so a touched tensor brings its whole group.
-The prefix cache is cleared after every switch (cached KV blocks belong to
-the old weights).
+the checkpoint-format tensors. vLLM fuses q/k/v and gate/up into one
+parameter each, so a touched tensor brings its whole group, fused here
+(`_fused`). The groups go straight into vLLM's parameters (`_write_in_place`):
+a layer with a ``quant_method`` gets its new weight and re-runs that method's
+``process_weights_after_loading`` — what vLLM runs on each layer after loading,
+where the CPU backend repacks its linear weights (a bare ``copy_`` would leave
+the packed copy stale) — and any other parameter is copied into. The first
+load, and the retry after a failed check, go through
+``collective_rpc("reload_weights", weights_iterator=…)`` instead: vLLM's own
+in-place reload, the reference path (several times slower: its layer-by-layer
+machinery costs more than the copies). The prefix cache is cleared
+after every switch (cached KV blocks belong to the old weights).
 
 Reading back (`weights`): parameters vLLM keeps as they are are read
-directly; the CPU backend's packed linear weights are read *through the
-kernel*, by multiplying the identity (one exact product per output, so
-``x·W`` gives ``W`` bit for bit), then split back into checkpoint names. A
+directly; the CPU backend's packed linear weights, and the LM head (it keeps
+its weight but computes with a packed copy), are read *through the kernel*,
+by multiplying the identity (one exact product per output, so ``x·W`` gives
+``W`` bit for bit), then split back into checkpoint names. A
 matmul cannot tell -0.0 from +0.0, so a zero read back takes the sign the host
 copy has there; every other bit is the engine's own.
 
@@ -37,6 +43,7 @@ import warnings
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, cast
 
+import structlog
 import torch
 
 from aurora.codec import Weights
@@ -44,15 +51,16 @@ from aurora.engine import Completion, EngineSpec, Prompt, Sample, _VerifiedApply
 from aurora.errors import ConfigError, DeltaFormatError
 from aurora.model import Tokenizer
 
-_FUSED = re.compile(r"^(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.weight$")
+_FUSED = re.compile(r"^(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.(?P<leaf>weight|bias)$")
 _GROUP = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+log = structlog.get_logger("aurora.vllm_engine")
 
 
 def group_of(name: str) -> str:
     """The vLLM parameter a checkpoint tensor is loaded into (fused groups share one)."""
     m = _FUSED.match(name)
-    return f"{m['prefix']}.{_GROUP[m['part']]}" if m else name
+    return f"{m['prefix']}.{_GROUP[m['part']]}.{m['leaf']}" if m else name
 
 
 def in_process_env() -> None:
@@ -80,19 +88,43 @@ def _vllm_start() -> Iterator[None]:
 
 
 def _read_back(worker: Any) -> dict[str, torch.Tensor]:
-    """Runs in the vLLM worker: every parameter, packed linears read through their kernel."""
+    """Runs in the vLLM worker: every parameter, packed linears and the LM head read through their kernel."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
     model = worker.model_runner.get_model()
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, mod in model.named_modules():
-            w = getattr(mod, "weight", None)
-            if isinstance(w, torch.nn.Parameter) and w.numel() == 0 and hasattr(mod, "quant_method"):
-                eye = torch.eye(int(mod.input_size_per_partition), dtype=torch.bfloat16)
-                out[f"{name}.weight"] = mod.quant_method.apply(mod, eye).t().contiguous()
         for name, p in model.named_parameters():
             if p.numel():
                 out[name] = p.detach().clone()
+        for name, mod in model.named_modules():
+            w = getattr(mod, "weight", None)
+            if not isinstance(w, torch.nn.Parameter) or not hasattr(mod, "quant_method"):
+                continue
+            if w.numel() == 0 or isinstance(mod, ParallelLMHead):
+                k = int(w.shape[1]) if w.numel() else int(mod.input_size_per_partition)
+                eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)
+                out[f"{name}.weight"] = mod.quant_method.apply(mod, eye).t().contiguous().cpu()
     return out
+
+
+def _write_in_place(worker: Any, fused: dict[str, torch.Tensor]) -> None:
+    """Runs in the vLLM worker: each vLLM parameter of ``fused`` takes its new value (module docstring)."""
+    model = worker.model_runner.get_model()
+    with torch.no_grad():
+        for name, t in fused.items():
+            owner, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(owner)
+            p = getattr(mod, leaf)
+            method = getattr(mod, "quant_method", None)
+            if leaf == "weight" and method is not None:
+                if p.numel() == 0:  # packed away at load: a fresh weight for the method to pack again
+                    mod.weight = torch.nn.Parameter(t.to(p.device, copy=True).contiguous(), requires_grad=False)
+                else:
+                    p.copy_(t)
+                method.process_weights_after_loading(mod)
+            else:
+                p.copy_(t)
 
 
 class VllmEngine(_VerifiedApply):
@@ -117,6 +149,8 @@ class VllmEngine(_VerifiedApply):
         self._split = {"qkv_proj": [cfg.num_attention_heads * head, cfg.num_key_value_heads * head,
                                     cfg.num_key_value_heads * head]}  # fmt: skip
         self._host: Weights | None = None
+        self._direct = True
+        """Switch versions by `_write_in_place`; False after it failed once (then `reload_weights`)."""
         self.version: int | None = None
 
     # -- weights
@@ -125,16 +159,33 @@ class VllmEngine(_VerifiedApply):
         unknown = [n for n in tensors if n not in self._names()]
         if unknown:
             raise DeltaFormatError(f"weights do not fit the model: unknown {unknown[:3]}")
-        if names is None:
-            chosen = list(tensors)
-        else:
-            groups = {group_of(n) for n in names}
-            chosen = [n for n in tensors if group_of(n) in groups]
-        if chosen:
-            batch: Iterator[tuple[str, torch.Tensor]] = iter([(n, tensors[n]) for n in chosen])
+        written = False
+        if names is not None and self._direct:
+            try:
+                fused = self._fused(tensors, {group_of(n) for n in names})
+                if fused:
+                    self.llm.collective_rpc(_write_in_place, args=(fused,))
+                written = True
+            except (AttributeError, RuntimeError) as e:  # a layer this path does not know: vLLM's reload from now on
+                log.warning("vllm_direct_write_failed", error=repr(e), fallback="reload_weights")
+                self._direct = False
+        if not written:  # every tensor, through vLLM's own reload (the first load, a retry, a fallback)
+            batch: Iterator[tuple[str, torch.Tensor]] = iter(list(tensors.items()))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
         self.llm.reset_prefix_cache()
         self._host = host
+
+    def _fused(self, tensors: dict[str, torch.Tensor], groups: set[str]) -> dict[str, torch.Tensor]:
+        """vLLM's parameters for ``groups``: fused ones concatenated from their parts, in vLLM's order."""
+        out: dict[str, torch.Tensor] = {}
+        for g in sorted(groups):
+            prefix, leaf = g.rsplit(".", 1)
+            owner, _, kind = prefix.rpartition(".")
+            if kind in _PARTS:
+                out[g] = torch.cat([tensors[f"{owner}.{part}_proj.{leaf}"] for part in _PARTS[kind]])
+            else:
+                out[g] = tensors[g]
+        return out
 
     def _names(self) -> set[str]:
         if not hasattr(self, "_checkpoint_names"):
@@ -146,10 +197,10 @@ class VllmEngine(_VerifiedApply):
         for name, t in fused.items():
             prefix, _, leaf = name.rpartition(".")
             owner, _, kind = prefix.rpartition(".")
-            if leaf == "weight" and kind in _PARTS:
+            if leaf in ("weight", "bias") and kind in _PARTS:
                 sizes = self._split.get(kind) or [t.shape[0] // 2] * 2
                 for part, piece in zip(_PARTS[kind], torch.split(t, sizes), strict=True):
-                    out[f"{owner}.{part}_proj.weight"] = piece.contiguous()
+                    out[f"{owner}.{part}_proj.{leaf}"] = piece.contiguous()
             else:
                 out[name] = t
         return out

@@ -96,7 +96,9 @@ def test_an_update_that_understates_what_changed_is_caught_by_the_digest_and_rel
 ) -> None:
     engine = engines(kind)
     engine.apply(_full(0, versions[0]))
+    before = engine.full_reloads  # type: ignore[attr-defined]
     engine.apply(WeightUpdate(1, versions[1].digest(), versions[1], touched=[]))  # claims nothing changed
+    assert engine.full_reloads == before + 1  # type: ignore[attr-defined]
     assert engine.version == 1
     assert _bits_equal(engine.weights(), versions[1])
 
@@ -120,13 +122,17 @@ def test_greedy_generation_matches_a_reference_forward_pass(
 ) -> None:
     engine = engines(kind, temperature=0.0, max_new_tokens=8)
     engine.apply(_full(1, versions[1]))
-    prompts = [Prompt(0, "12+7="), Prompt(1, "3+45="), Prompt(2, "100+1=")]
-    got = engine.generate(prompts, 1)
-    ref = build_model(model).float()
-    ref.load_state_dict({n: t.float() for n, t in versions[1].to_tensors().items()}, strict=False)
-    tok = Tokenizer.for_model(model)
     # TorchEngine computes in fp32 like the reference; vLLM on CPU computes in bf16
-    tolerance = 1e-4 if kind == "torch" else 5e-2
+    _assert_greedy_like_the_reference(engine, model, versions[1], 1, 1e-4 if kind == "torch" else 5e-2)
+
+
+def _assert_greedy_like_the_reference(engine: Engine, model: ModelSpec, w: Weights, version: int,
+                                      tolerance: float) -> None:  # fmt: skip
+    prompts = [Prompt(0, "12+7="), Prompt(1, "3+45="), Prompt(2, "100+1=")]
+    got = engine.generate(prompts, version)
+    ref = build_model(model).float()
+    ref.load_state_dict({n: t.float() for n, t in w.to_tensors().items()}, strict=False)
+    tok = Tokenizer.for_model(model)
     for p, c in zip(prompts, got, strict=True):
         ids = tok.encode(p.text)
         assert c.prompt_tokens == ids
@@ -137,8 +143,47 @@ def test_greedy_generation_matches_a_reference_forward_pass(
             assert int(logits.argmax()) == t
             assert abs(float(torch.log_softmax(logits, -1)[t]) - lp) < tolerance
             ids.append(t)
-        assert c.version == 1
+        assert c.version == version
         assert len(s.tokens) == len(s.logprobs) >= 1
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_a_delta_written_in_place_computes_like_the_reference(
+    model: ModelSpec, versions: list[Weights], engines: Callable[..., Engine]
+) -> None:
+    """A switch by delta takes the direct path (each touched layer repacked by its own method),
+    not vLLM's reload; what the engine then computes, LM head included, is the new version's."""
+    engine = engines("vllm", temperature=0.0, max_new_tokens=8)
+    host = versions[0].copy()
+    engine.apply(_full(0, host))
+    d = encode(versions[0], versions[2], base_version=0, target_version=2)
+    touched = receive(d.manifest, d.chunks).stage(host).commit(host)
+    assert any(n.startswith("lm_head") for n in touched)
+    assert any("q_proj" in n for n in touched)
+    reloads = engine.full_reloads  # type: ignore[attr-defined]
+    engine.apply(WeightUpdate(2, d.manifest.target_digest, host, touched))
+    assert engine._direct, "the direct write failed over to vLLM's reload"  # type: ignore[attr-defined]
+    assert engine.full_reloads == reloads, "the direct write did not hash to the digest"  # type: ignore[attr-defined]
+    _assert_greedy_like_the_reference(engine, model, versions[2], 2, 5e-2)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_read_back_sees_a_stale_packed_lm_head(versions: list[Weights], engines: Callable[..., Engine]) -> None:
+    """The LM head keeps its weight but computes with a packed copy: a bare copy into the weight
+    leaves the engine computing with the old one, and reading back must show that."""
+    engine = engines("vllm")
+    engine.apply(_full(0, versions[0]))
+    new = versions[1].to_tensors()["lm_head.weight"]
+    assert not torch.equal(new, versions[0].to_tensors()["lm_head.weight"])
+
+    def bare_copy(worker: object) -> None:
+        with torch.no_grad():
+            worker.model_runner.get_model().lm_head.weight.copy_(new)  # type: ignore[attr-defined]
+
+    engine.llm.collective_rpc(bare_copy)  # type: ignore[attr-defined]
+    assert torch.equal(engine.weights().to_tensors()["lm_head.weight"], versions[0].to_tensors()["lm_head.weight"])
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
