@@ -58,6 +58,7 @@ from aurora.actors.work import (
 from aurora.transport.base import Channel, Transport
 from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
 
+from aurora.codec import Weights
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.topology import Topology, WebRtcSpec
@@ -298,7 +299,13 @@ class Node:
 
 
 class _Publisher(Actor):
-    """The trainer's learner loop: step, then publish (stored before its last chunk leaves)."""
+    """The trainer's learner loop: take a batch, step, publish (stored before its last chunk leaves).
+
+    The learner's next step overlaps the last one's publication: while version ``v`` is encoded
+    and sent, the learner already takes its batch at ``v`` (the weights it holds) and trains
+    ``v + 1``. Versions still go out in order, one at a time: ``v + 1`` is published once ``v``
+    is. A learner that fails lets the publication in flight finish first, so every version the
+    flow holds is one the learner made."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -308,22 +315,42 @@ class _Publisher(Actor):
         assert learner is not None
         assert pool is not None
         steps = node.topo.run.steps
-        while (node.flow.version or 0) < steps:
-            current = node.flow.version or 0
-            if learner.batch_size:
-                batch = await pool.take(learner.batch_size, current)
-            else:
-                await asyncio.sleep(learner.interval_s)
-                batch = []
-            new = await asyncio.to_thread(learner.step, batch)
-            node.status.on_published(current + 1, time.monotonic())
-            if node.topo.sync.deliver:
-                v = await node.flow.publish(new)  # stored before its last chunk leaves
-            else:
-                v = await node.flow.adopt(new)
-            node.status.step = {"version": v, **learner.stats, **node.flow.last_published}
-            log.info("step", version=v, results=len(batch), **learner.stats, **pool.stats())
+        learned = node.flow.version or 0  # the learner's weights: published, or being published
+        publishing: asyncio.Future[None] | None = None
+        try:
+            while learned < steps:
+                if learner.batch_size:
+                    batch = await pool.take(learner.batch_size, learned)
+                else:
+                    await asyncio.sleep(learner.interval_s)
+                    batch = []
+                try:
+                    new = await asyncio.to_thread(learner.step, batch)
+                except Exception:
+                    if publishing is not None:
+                        await publishing
+                    raise
+                if publishing is not None:
+                    await publishing
+                learned += 1
+                publishing = asyncio.ensure_future(self._publish(new, len(batch), dict(learner.stats)))
+            if publishing is not None:
+                await publishing
+        finally:
+            if publishing is not None and not publishing.done():
+                publishing.cancel()
         log.info("steps_done", steps=steps, version=node.flow.version)
+
+    async def _publish(self, new: Weights, results: int, stats: dict[str, Any]) -> None:
+        node, pool = self.node, self.node.pool
+        assert pool is not None
+        node.status.on_published((node.flow.version or 0) + 1, time.monotonic())
+        if node.topo.sync.deliver:
+            v = await node.flow.publish(new)  # stored before its last chunk leaves
+        else:
+            v = await node.flow.adopt(new)
+        node.status.step = {"version": v, **stats, **node.flow.last_published}
+        log.info("step", version=v, results=results, **stats, **pool.stats())
 
 
 class _Reporter(Actor):

@@ -92,8 +92,8 @@ class WorkPool:
     """Per leased prompt, the version its worker said it generates with (stale entries, of
     prompts no longer in flight, are pruned as they are met)."""
     taken_at: int | None = None
-    """The trainer version of the learner's last take: when it is the current one, the learner
-    is training and its next take is at the next version."""
+    """The learner's version at its last take (its next take is at the next version); None
+    before the first take of this coordinator."""
     parked: dict[str, tuple[int, int | None, float]] = field(default_factory=dict)
     """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version, when). An idle
     worker asks again every few seconds, so a want older than half a lease TTL is from one gone."""
@@ -119,7 +119,9 @@ class WorkPool:
         those accepted or in flight, made with this version or an older one still allowed."""
         if not self.batch or version is None:
             return True
-        first = current + 1 if self.taken_at == current else current
+        # the learner takes once per version: next at the version after its last take (it may
+        # already be training on that take while the version before is still being published)
+        first = current if self.taken_at is None else max(current, self.taken_at + 1)
         takes = version + self.max_stale - first + 1
         if takes <= 0:
             return False

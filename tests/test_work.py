@@ -130,5 +130,9 @@ async def test_the_learner_takes_the_oldest_versions_first_and_then_leases_only_
     assert [c.version for _, c in got] == [4, 4]  # the v5 results can still serve the take at v6
     assert pool.want("e", 1, 0.0, version=4, current=5) == []  # the learner trains: v4 serves no take now
     assert pool.want("f", 1, 0.0, version=5, current=5) == []  # the two v5 results fill the take at v6
+    # the learner made v6 and takes at it while v6 is still being published (the trainer's
+    # flow, which the coordinator asks, is at v5): its next take is at v7, which v5 cannot serve
     assert [c.version for _, c in await pool.take(2, current=6)] == [5, 5]
+    assert pool.want("g", 1, 0.0, version=5, current=5) == []
+    assert pool.want("h", 1, 0.0, version=6, current=5) != []
     assert pool.dropped_stale == 0
