@@ -9,6 +9,9 @@ ends when the trainer has published ``run.steps`` versions and every other node
 holds the last one — or on Ctrl-C / SIGTERM. Nodes are stopped children first
 (SIGTERM, then SIGKILL after a grace period), each by its process group.
 A node that exits on its own is an error that names the node and its last log line.
+At every step the trainer logs, the CPU time each node process has used so far
+is appended to ``STATE/cpu.jsonl`` (``{"version": v, "cpu_s": {node: s}}``, read
+from ``/proc``; absent where there is none): what `aurora bench rl` splits by role.
 """
 
 from __future__ import annotations
@@ -103,6 +106,14 @@ class Cluster:
                     st.version = int(e["version"])
                 elif ev == "parent_attached":
                     st.parent = str(e.get("parent"))
+            if ev == "step" and name == self.topo.trainer.name and isinstance(e.get("version"), int):
+                self._sample_cpu(int(e["version"]))
+
+    def _sample_cpu(self, version: int) -> None:
+        cpu = {n: c for n, p in list(self.procs.items()) if (c := process_cpu_s(p.pid)) is not None}
+        if cpu:
+            with (self.state / "cpu.jsonl").open("a") as f:
+                f.write(json.dumps({"version": version, "cpu_s": cpu}) + "\n")
 
     def display(self) -> str:
         """The trainer's gathered status (the control channel), or the versions seen in the logs until then."""
@@ -152,6 +163,16 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process, all its threads (None without ``/proc``, or once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0,

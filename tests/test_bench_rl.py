@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aurora.bench.rl import measure
+from aurora.bench.rl import cpu_per_step, measure
 from tests.helpers import rl_topology
 
 
@@ -34,6 +34,16 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
     assert m["window_s"] == pytest.approx(8.0)
     assert m["tokens_s"] == pytest.approx(400 / 8.0)
     assert m["paused"] == pytest.approx((0.0 + 0.4 / 8.0) / 2)
+    assert m["cpu_ms_per_step"] is None  # no cpu.jsonl
+
+
+def test_cpu_per_step_is_each_roles_mean_over_the_timed_steps(tmp_path: Path) -> None:
+    samples = [{"version": 2, "cpu_s": {"t": 10.0, "r0": 1.0, "r1": 2.0}},
+               {"version": 6, "cpu_s": {"t": 12.0, "r0": 1.4, "r1": 3.2}}]  # fmt: skip
+    (tmp_path / "cpu.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    got = cpu_per_step(tmp_path / "cpu.jsonl", 2, 6, {"t": "trainer", "r0": "rollout", "r1": "rollout"})
+    assert got == pytest.approx({"trainer": 500.0, "rollout": 200.0, "all": 900.0})
+    assert cpu_per_step(tmp_path / "cpu.jsonl", 2, 7, {"t": "trainer"}) is None  # no sample at the window's end
 
 
 @pytest.mark.slow
@@ -55,3 +65,7 @@ def test_bench_rl_prints_sync_next_to_the_ideal(tmp_path: Path) -> None:
     assert got["sync"]["delta_kb"] > 0
     assert got["ideal"]["delta_kb"] == 0
     assert got["ratio"] == pytest.approx(got["sync"]["tokens_s"] / got["ideal"]["tokens_s"])
+    for mode in ("sync", "ideal"):  # every node's CPU over the window, by role (this machine has /proc)
+        assert set(got[mode]["cpu_ms_per_step"]) == {"trainer", "relay", "rollout", "all"}
+        assert all(v > 0 for v in got[mode]["cpu_ms_per_step"].values())
+    assert "CPU ms per step" in r.stdout

@@ -20,6 +20,12 @@ time; *paused* = for each rollout, the time its engine spent switching versions
 (``engine_switched``) within that window, over the window, averaged over rollouts. An
 engine's first load (``from_version`` null: a rollout that attached late, or restarted) is
 start-up, not a switch, and is not counted.
+
+*CPU per step*, by role: each node's CPU time over the same window (``cpu.jsonl``,
+sampled by `aurora.run` at every step), over the steps in it, averaged over the
+nodes of a role. On this machine every node shares the same few cores, so the
+sync run's extra CPU slows everyone; on a cluster each node has its own, and a
+role's extra CPU per step is what sync costs *that* node.
 """
 
 from __future__ import annotations
@@ -59,7 +65,24 @@ def _variant(raw: dict[str, Any], file: Path, steps: int, ideal: bool) -> dict[s
     return d
 
 
-def measure(state: Path, trainer: str, rollouts: list[str], warmup: int) -> dict[str, Any]:
+def cpu_per_step(path: Path, first: int, last: int, roles: dict[str, str]) -> dict[str, float] | None:
+    """Mean CPU ms per step of each role's nodes from version ``first`` to ``last`` (None without samples)."""
+    if not path.exists():
+        return None
+    at = {int(r["version"]): r["cpu_s"] for r in map(json.loads, path.read_text().splitlines()) if r}
+    if first not in at or last not in at or last <= first:
+        return None
+    per_role: dict[str, list[float]] = {}
+    for node, role in roles.items():
+        if node in at[first] and node in at[last]:
+            per_role.setdefault(role, []).append((at[last][node] - at[first][node]) / (last - first) * 1e3)
+    out = {role: sum(v) / len(v) for role, v in per_role.items()}
+    out["all"] = sum(sum(v) for v in per_role.values())
+    return out
+
+
+def measure(state: Path, trainer: str, rollouts: list[str], warmup: int,
+            roles: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     events = read_events(state / f"{trainer}.log")
     steps = [e for e in events if e.get("event") == "step"]
     if len(steps) <= warmup + 1:
@@ -75,6 +98,7 @@ def measure(state: Path, trainer: str, rollouts: list[str], warmup: int) -> dict
         ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
     rows = [r for r in collect(events) if r["version"] > warmup]
+    cpu = cpu_per_step(state / "cpu.jsonl", int(steps[warmup]["version"]), int(steps[-1]["version"]), roles or {})
 
     def mean(key: str) -> float | None:
         vals = [float(r[key]) for r in rows if r.get(key) is not None]
@@ -82,7 +106,8 @@ def measure(state: Path, trainer: str, rollouts: list[str], warmup: int) -> dict
 
     return {"tokens_s": tokens / (t1 - t0), "steps_s": (len(steps) - 1 - warmup) / (t1 - t0),
             "window_s": t1 - t0, "paused": sum(paused) / len(paused), "sync_ms": (mean("sync_s") or 0.0) * 1e3,
-            "delta_kb": (mean("bytes") or 0.0) / 1e3, "density": mean("density"), "reward": mean("reward")}  # fmt: skip
+            "delta_kb": (mean("bytes") or 0.0) / 1e3, "density": mean("density"), "reward": mean("reward"),
+            "cpu_ms_per_step": cpu}  # fmt: skip
 
 
 def bench(topology: Path, *, steps: int = 40, warmup: int = 5,
@@ -90,6 +115,7 @@ def bench(topology: Path, *, steps: int = 40, warmup: int = 5,
     raw = yaml.safe_load(topology.read_text())
     topo = load_topology(topology)
     rollouts = [n.name for n in topo.nodes if n.role == "rollout"]
+    roles: dict[str, str] = {n.name: n.role for n in topo.nodes}
     out: dict[str, Any] = {"topology": str(topology), "steps": steps, "warmup": warmup}
     with tempfile.TemporaryDirectory(prefix="aurora-bench-rl-") as tmp:
         for mode in ("sync", "ideal"):
@@ -102,7 +128,7 @@ def bench(topology: Path, *, steps: int = 40, warmup: int = 5,
                     progress(f"   {text}")
 
             run(f, progress=quiet, state=Path(tmp) / mode)
-            out[mode] = measure(Path(tmp) / mode, topo.trainer.name, rollouts, warmup)
+            out[mode] = measure(Path(tmp) / mode, topo.trainer.name, rollouts, warmup, roles)
     out["ratio"] = out["sync"]["tokens_s"] / out["ideal"]["tokens_s"]
     return out
 
@@ -118,6 +144,15 @@ def render(r: dict[str, Any]) -> str:
                      f"{m['sync_ms']:>8.0f} {m['delta_kb']:>9.1f} {changed:>8}")  # fmt: skip
     lines.append(f"sync / ideal tokens/s: {r['ratio']:.3f} (target >= 0.95); generation paused for switches: "
                  f"{100 * r['sync']['paused']:.2f} % of wall time (target <= 2 %)")  # fmt: skip
+    cpu = {mode: r[mode].get("cpu_ms_per_step") for mode in ("sync", "ideal")}
+    if cpu["sync"] and cpu["ideal"]:
+        cols = [c for c in ("trainer", "relay", "rollout", "all") if c in cpu["sync"] and c in cpu["ideal"]]
+        lines.append("CPU ms per step: a node of each role (mean), and all nodes together")
+        lines.append(f"{'run':<6} " + " ".join(f"{c:>9}" for c in cols))
+        lines.extend(f"{mode:<6} " + " ".join(f"{cpu[mode][c]:>9.0f}" for c in cols)  # type: ignore[index]
+                     for mode in ("sync", "ideal"))  # fmt: skip
+        lines.append(f"{'extra':<6} " + " ".join(f"{100 * (cpu['sync'][c] / cpu['ideal'][c] - 1):>8.0f}%"
+                                                  for c in cols))  # fmt: skip
     return "\n".join(lines)
 
 
