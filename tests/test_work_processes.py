@@ -158,7 +158,7 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     assert resumed in (last, last + 1)
 
     wait_until(lambda: all(c.version(n) >= STEPS for n in NAMES[1:]), 120, f"version {STEPS} everywhere")
-    wait_until(lambda: c.version("trainer") >= STEPS, 1, "the trainer's last step")
+    wait_until(lambda: c.version("trainer") >= STEPS, 10, "the trainer's last step")
 
     published: dict[int, str] = {}
     for e in c.ev("trainer", "version_published"):
