@@ -170,6 +170,28 @@ def test_vllm_a_delta_written_in_place_computes_like_the_reference(
 
 @pytest.mark.vllm
 @needs_vllm
+def test_vllm_a_direct_write_that_fails_falls_back_to_vllms_reload(
+    versions: list[Weights], engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aurora.vllm_engine as ve
+
+    def unknown_layer(worker: object, fused: object) -> None:
+        raise AttributeError("'Mystery' object has no attribute 'weight'")
+
+    engine = engines("vllm", seed=11)  # its own engine: this one stays on the fallback
+    host = versions[0].copy()
+    engine.apply(_full(0, host))
+    monkeypatch.setattr(ve, "_write_in_place", unknown_layer)
+    d = encode(versions[0], versions[1], base_version=0, target_version=1)
+    touched = receive(d.manifest, d.chunks).stage(host).commit(host)
+    engine.apply(WeightUpdate(1, d.manifest.target_digest, host, touched))
+    assert engine.version == 1
+    assert not engine._direct  # type: ignore[attr-defined]
+    assert _bits_equal(engine.weights(), versions[1])
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_vllm_read_back_sees_a_stale_packed_lm_head(versions: list[Weights], engines: Callable[..., Engine]) -> None:
     """The LM head keeps its weight but computes with a packed copy: a bare copy into the weight
     leaves the engine computing with the old one, and reading back must show that."""
