@@ -245,7 +245,8 @@ class Node:
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
                                 store=self.store)  # fmt: skip
         self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions, task.prompts(learner.seed),
-                             group_size=learner.group_size, batch=learner.batch_size)  # fmt: skip
+                             group_size=learner.group_size, batch=learner.batch_size,
+                             steps=self.topo.run.steps)  # fmt: skip
 
     async def open_store(self, store: Path | None) -> None:
         """A relay's or rollout's store: resume from its latest version (then catch up from the parent)."""

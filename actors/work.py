@@ -79,6 +79,8 @@ class WorkPool:
     group_size: int = 1
     batch: int = 0
     """The learner's prompts per step (0: it does not take batches; leasing is not bounded)."""
+    steps: int | None = None
+    """The run's versions: the learner's last take is at ``steps - 1`` (None: no end)."""
     table: LeaseTable = field(init=False)
     open: dict[int, Prompt] = field(default_factory=dict)
     samples: list[tuple[Prompt, Completion]] = field(default_factory=list)
@@ -114,7 +116,7 @@ class WorkPool:
 
     def _useful(self, version: int | None, current: int) -> bool:
         """Would results of ``version`` be trained on? The takes that may use them run from the
-        learner's next one to ``version + max_stale``; they are useful while those takes want
+        learner's next one to ``version + max_stale`` (or its last, at ``steps - 1``); they are useful while those takes want
         more than the results that they would take first (`take` goes oldest version first):
         those accepted or in flight, made with this version or an older one still allowed."""
         if not self.batch or version is None:
@@ -122,7 +124,8 @@ class WorkPool:
         # the learner takes once per version: next at the version after its last take (it may
         # already be training on that take while the version before is still being published)
         first = current if self.taken_at is None else max(current, self.taken_at + 1)
-        takes = version + self.max_stale - first + 1
+        last = version + self.max_stale if self.steps is None else min(version + self.max_stale, self.steps - 1)
+        takes = last - first + 1
         if takes <= 0:
             return False
         supply = sum(1 for v in self._supply(current) if first - self.max_stale <= v <= version)

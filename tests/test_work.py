@@ -136,3 +136,13 @@ async def test_the_learner_takes_the_oldest_versions_first_and_then_leases_only_
     assert pool.want("g", 1, 0.0, version=5, current=5) == []
     assert pool.want("h", 1, 0.0, version=6, current=5) != []
     assert pool.dropped_stale == 0
+
+
+def test_no_work_is_leased_once_the_runs_last_take_has_its_results() -> None:
+    """A run of 7 versions: the learner's last take is at v6; v6 results serve no take."""
+    spec = LeaseSpec(ttl_s=5.0, prompts_per_lease=4, ahead_steps=4)
+    pool = WorkPool(spec, 1, ArithmeticTask().prompts(0), group_size=1, batch=2, steps=7)
+    assert len(pool.want("a", 1, 0.0, version=5, current=6)) == 1  # for the take at v6
+    assert len(pool.want("a2", 1, 0.0, version=5, current=6)) == 1
+    assert pool.want("b", 1, 0.0, version=6, current=6) == []  # the take at v6 has its two in flight
+    assert pool.want("c", 2, 0.0, version=7, current=7) == []  # the run is over
