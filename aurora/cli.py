@@ -92,9 +92,11 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r = bs.add_parser("rl", help="rollout tokens/s with weight sync on vs the sync-free ideal",
                       description="Run the topology's RL job twice with fixed-length generation: with weight "
                       "sync (deltas down the relay tree, engines switching between batches) and the ideal "
-                      "with sync removed (the trainer keeps its versions; rollouts stay on version 0). Prints "
+                      "with sync removed (the trainer keeps its versions; rollouts stay on version 0, and the "
+                      "staleness bound is lifted). Prints "
                       "both runs' tokens/s, their ratio, and the fraction of wall time that generation was "
-                      "paused for weight switches, with the mean sync time and delta size and density.")  # fmt: skip
+                      "paused for weight switches, with the mean sync time and delta size and density, and "
+                      "the CPU time per step of each role's nodes (trainer, relay, rollout) in both runs.")  # fmt: skip
     r.add_argument("topology", type=Path, nargs="?", default=Path("topologies/local.yaml"),
                    help="a topology with a grpo learner (default topologies/local.yaml)")  # fmt: skip
     r.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
