@@ -94,9 +94,6 @@ def _read_back(worker: Any) -> dict[str, torch.Tensor]:
     model = worker.model_runner.get_model()
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.numel():
-                out[name] = p.detach().clone()
         for name, mod in model.named_modules():
             w = getattr(mod, "weight", None)
             if not isinstance(w, torch.nn.Parameter) or not hasattr(mod, "quant_method"):
@@ -105,6 +102,9 @@ def _read_back(worker: Any) -> dict[str, torch.Tensor]:
                 k = int(w.shape[1]) if w.numel() else int(mod.input_size_per_partition)
                 eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)
                 out[f"{name}.weight"] = mod.quant_method.apply(mod, eye).t().contiguous().cpu()
+        for name, p in model.named_parameters():
+            if p.numel() and name not in out:  # the LM head's kept weight was read through its kernel
+                out[name] = p.detach().clone()
     return out
 
 
