@@ -163,7 +163,7 @@ class _VerifiedApply:
 
     version: int | None
     full_reloads = 0
-    """Times a partial copy did not hash to its version's digest and every tensor was copied again."""
+    """Times the copied weights did not hash to the version's digest and every tensor was copied again."""
 
     def weights(self) -> Weights:
         raise NotImplementedError
@@ -176,9 +176,9 @@ class _VerifiedApply:
         self.version = None  # serving nothing until the check passes
         self._copy(update.weights, update.touched)
         if self.weights().digest() != update.digest:
-            if update.touched is not None:
-                log.warning("engine_full_reload", version=update.version, touched=len(update.touched),
-                            why="the engine's weights did not hash to the version's digest")  # fmt: skip
+            log.warning("engine_full_reload", version=update.version,
+                        touched="all" if update.touched is None else len(update.touched),
+                        why="the engine's weights did not hash to the version's digest")  # fmt: skip
             self.full_reloads += 1
             self._copy(update.weights, None)
             if self.weights().digest() != update.digest:
