@@ -116,9 +116,10 @@ class WorkPool:
 
     def _useful(self, version: int | None, current: int) -> bool:
         """Would results of ``version`` be trained on? The takes that may use them run from the
-        learner's next one to ``version + max_stale`` (or its last, at ``steps - 1``); they are useful while those takes want
-        more than the results that they would take first (`take` goes oldest version first):
-        those accepted or in flight, made with this version or an older one still allowed."""
+        learner's next one to ``version + max_stale`` (or its last, at ``steps - 1``); they are
+        useful while those takes want more than the results that they would take first (`take`
+        goes oldest version first): those accepted or in flight, made with this version or an
+        older one still allowed."""
         if not self.batch or version is None:
             return True
         # the learner takes once per version: next at the version after its last take (it may
