@@ -73,13 +73,12 @@ class Cluster:
         with self.logs[name].open("ab") as err:
             self.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
 
-    def kill(self, name: str) -> None:
-        p = self.procs[name]
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
     def signal(self, name: str, sig: signal.Signals) -> None:
         os.killpg(self.procs[name].pid, sig)
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+        self.procs[name].wait()
 
     def held_leases(self, name: str) -> set[tuple[int, int]]:
         """The (item, token) leases a worker's log says it was granted and has neither answered nor
