@@ -61,14 +61,15 @@ from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
 from aurora.codec import Weights
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
+from aurora.config.rl import EngineSpec
 from aurora.config.topology import Topology, WebRtcSpec
-from aurora.engine import EngineSpec, make_engine
 from aurora.errors import ConfigError, DeltaFormatError, ProtocolError, TransportClosed
-from aurora.learner import Learner, make_learner
 from aurora.protocol.leases import LeaseHolder
+from aurora.rl.engines import make_engine
+from aurora.rl.learners import Learner, make_learner
+from aurora.rl.tasks import make_task
 from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
 from aurora.store import DeltaStore
-from aurora.tasks import make_task
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
     from aurora.transport.webrtc import WebRtcTransport
@@ -112,8 +113,8 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         await node.open_trainer(store)
     else:
         await node.open_store(store)
-        if spec.role == "rollout" and topo.engine:
-            node.engine = await asyncio.to_thread(make_engine, topo.engine, file, topo.model)
+        if spec.role == "rollout" and topo.engine is not None:
+            node.engine = await asyncio.to_thread(make_engine, topo.engine)
     zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, **curve_options(topo, name, file))
     if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
         node.rtc = _rtc(topo, name, file)
@@ -223,12 +224,11 @@ class Node:
 
     async def open_trainer(self, store: Path | None) -> None:
         """The learner, version 0 (or the store's latest), and the work pool on the task's prompts."""
-        task = make_task(self.topo.task, self.file)
+        task = make_task(self.topo.task)
         if store is not None:
             self.store = DeltaStore(store)
-        engine = EngineSpec.from_section(self.topo.engine, self.file, self.topo.model)
-        learner = make_learner(self.topo.learner, self.file, model=self.topo.model, task=task,
-                               temperature=engine.temperature,
+        engine = self.topo.engine or EngineSpec()
+        learner = make_learner(self.topo.learner, model=self.topo.model, task=task, temperature=engine.temperature,
                                checkpoint_dir=None if store is None else store / "checkpoints")  # fmt: skip
         self.learner = learner
         latest = None if self.store is None else self.store.latest()

@@ -54,9 +54,10 @@ from aurora.actors.flow import VersionFlow
 from aurora.transport.base import Message
 
 from aurora.config.topology import LeaseSpec
-from aurora.engine import Completion, Engine, Prompt, WeightUpdate
 from aurora.errors import ActorDead, TransportClosed
 from aurora.protocol.leases import Lease, LeaseExpired, LeaseHolder, LeaseTable, ResultRejected
+from aurora.rl.engines import Engine, WeightUpdate
+from aurora.rl.types import Completion, Prompt
 from aurora.runtime import Actor
 
 log = structlog.get_logger("aurora.actors.work")

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aurora.config.rl import PRESETS
 from aurora.errors import AuroraError
-from aurora.model import PRESETS
 
 EXIT_USER_ERROR = 2
 
@@ -210,10 +210,10 @@ def _progress(msg: str) -> None:
 
 
 def cmd_delta_encode(args: argparse.Namespace) -> int:
-    from aurora.checkpoint import load_checkpoint
     from aurora.codec import EncodeStats, Transform, Weights, encode_stream
     from aurora.codec.container import write_delta
     from aurora.store.atomic import atomic_writer
+    from aurora.store.checkpoint import load_checkpoint
 
     base = Weights.from_tensors(load_checkpoint(args.base))
     target = Weights.from_tensors(load_checkpoint(args.target))
@@ -246,9 +246,9 @@ def cmd_delta_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_delta_apply(args: argparse.Namespace) -> int:
-    from aurora.checkpoint import load_checkpoint, save_checkpoint
     from aurora.codec import Weights, apply
     from aurora.codec.container import load_delta_file
+    from aurora.store.checkpoint import load_checkpoint, save_checkpoint
 
     manifest, chunks = load_delta_file(args.delta)
     base = Weights.from_tensors(load_checkpoint(args.base))
@@ -377,7 +377,7 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from aurora.model import init_model_dir
+    from aurora.rl.model import init_model_dir
 
     path = init_model_dir(args.dir, args.preset, args.seed, args.max_positions)
     n = sum(1 for _ in path.iterdir())

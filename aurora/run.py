@@ -35,7 +35,7 @@ from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
 from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
-from aurora.model import init_model_dir
+from aurora.rl.model import init_model_dir
 
 Progress = Callable[..., None]
 """``progress(text, redraw=False)``: show a message, or (redraw) the status block that replaces the last one."""
@@ -199,7 +199,7 @@ def compute_threads(topo: Topology) -> int | None:
     None when ``OMP_NUM_THREADS`` is already set: the user's choice stands."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    computing = 1 + sum(1 for n in topo.nodes if n.role == "rollout") if topo.engine else 1
+    computing = 1 + sum(1 for n in topo.nodes if n.role == "rollout") if topo.engine is not None else 1
     return max(1, (os.cpu_count() or 1) // computing)
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aurora.checkpoint import load_checkpoint
 from aurora.cli import main
 from aurora.codec import Weights
+from aurora.store.checkpoint import load_checkpoint
 from tests.helpers import perturb
 
 

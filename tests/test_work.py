@@ -10,8 +10,8 @@ from aurora.actors.work import Coordinator, WorkPool
 from aurora.transport.base import Message
 
 from aurora.config.topology import LeaseSpec
-from aurora.engine import Completion, Prompt, Sample
-from aurora.tasks import ArithmeticTask
+from aurora.rl.tasks import ArithmeticTask
+from aurora.rl.types import Completion, Prompt, Sample
 
 
 def _setup(version: int) -> tuple[Coordinator, list[dict[str, Any]]]:

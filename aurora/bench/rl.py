@@ -39,11 +39,11 @@ from typing import Any
 
 import yaml
 
+from aurora.config.rl import ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError
 from aurora.logs import event_time, read_events
 from aurora.metrics import collect
-from aurora.model import ModelSpec
 from aurora.run import run
 
 

@@ -43,9 +43,10 @@ from typing import Any
 from aurora.codec.decoder import blank_weights, receive
 from aurora.codec.encoder import encode
 from aurora.codec.warm import warm_up
+from aurora.config.rl import SyntheticSpec
 from aurora.errors import AuroraError
-from aurora.learner import SyntheticLearner, SyntheticSpec
 from aurora.logs import event_time, read_events
+from aurora.rl.learners.synthetic import SyntheticLearner
 from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]

@@ -5,7 +5,7 @@ keys and missing required fields are errors), ``int``/``float``/``str``/``bool``
 (no silent coercion: ``"3"`` is not an int, ``true`` is not an int, an int is
 accepted where a float is expected), ``Literal[...]``, ``X | None``,
 ``tuple[X, ...]``, ``dict[str, X]`` and unions of dataclasses tagged by a
-``kind`` field. Every error is a `ConfigError` carrying the file and the path
+``kind`` field (a mapping without ``kind`` is the union's first class). Every error is a `ConfigError` carrying the file and the path
 in it (``nodes[3].parent``). Cross-field rules belong in each dataclass's
 ``__post_init__``, raising ``ConfigError(message, path=field)``; `convert`
 puts the object's own path in front.
@@ -103,15 +103,18 @@ def _convert(t: Any, v: Any, file: str | None, path: str) -> Any:
 
 
 def _tagged(classes: list[Any], v: Any, file: str | None, path: str) -> Any:
-    if not isinstance(v, dict) or "kind" not in v:
-        raise _fail(file, path, "expected a mapping with a 'kind' key")
+    if v is None:
+        v = {}
+    if not isinstance(v, dict):
+        raise _fail(file, path, f"expected a mapping, got {type(v).__name__}")
     kinds = {}
     for c in classes:
         f = {x.name: x for x in dataclasses.fields(c)}["kind"]
         kinds[f.default] = c
-    if v["kind"] not in kinds:
-        raise _fail(file, f"{path}.kind", f"expected one of {', '.join(map(repr, kinds))}, got {v['kind']!r}")
-    return _dataclass(kinds[v["kind"]], v, file, path)
+    kind = v.get("kind", next(iter(kinds)))
+    if kind not in kinds:
+        raise _fail(file, f"{path}.kind", f"expected one of {', '.join(map(repr, kinds))}, got {kind!r}")
+    return _dataclass(kinds[kind], v, file, path)
 
 
 def _dataclass(cls: type, v: Any, file: str | None, path: str) -> Any:

@@ -18,15 +18,23 @@ checks what spans objects, each error naming the path of the offending field:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from aurora.config.rl import (
+    ArithmeticSpec,
+    EngineSpec,
+    LearnerSpec,
+    ModelSpec,
+    SyntheticSpec,
+    TaskSpec,
+    resolve_paths,
+)
 from aurora.config.strict import convert
 from aurora.errors import ConfigError
-from aurora.model import ModelSpec
 from aurora.protocol.liveness import timing_problem
 
 Role = Literal["trainer", "relay", "rollout"]
@@ -173,13 +181,13 @@ class Topology:
     run: RunSpec = field(default_factory=RunSpec)
     sync: SyncSpec = field(default_factory=SyncSpec)
     model: ModelSpec | None = None
-    """The model every node runs (`aurora.model.ModelSpec`); None: the engines' and learner's own."""
-    task: dict[str, Any] = field(default_factory=dict)
-    """The RL task (`aurora.tasks.make_task`; default arithmetic)."""
-    learner: dict[str, Any] = field(default_factory=dict)
-    """The learner's section (`aurora.learner.make_learner`: grpo or synthetic)."""
-    engine: dict[str, Any] = field(default_factory=dict)
-    """The rollout engine's section (`aurora.engine.EngineSpec`)."""
+    """The model every node runs; None: the engines' and learner's own."""
+    task: TaskSpec = field(default_factory=ArithmeticSpec)
+    """The RL task (default arithmetic)."""
+    learner: LearnerSpec = field(default_factory=SyntheticSpec)
+    """The learner: grpo, or synthetic (the default, a load generator)."""
+    engine: EngineSpec | None = None
+    """The rollout nodes' engine; None: rollout nodes only relay (no worker)."""
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
@@ -217,6 +225,8 @@ def load_topology(path: str | Path) -> Topology:
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {e}", file=file) from None
     topo = convert(Topology, data, file=file)
+    task, model, learner, engine = resolve_paths(topo.task, topo.model, topo.learner, topo.engine, file)
+    topo = replace(topo, task=task, model=model, learner=learner, engine=engine)
     check(topo, file)
     return topo
 

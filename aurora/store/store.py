@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from aurora.checkpoint import load_checkpoint
 from aurora.codec import Delta, EncodeStats, Manifest, Weights, apply, encode
 from aurora.codec.container import load_delta_file, write_delta
 from aurora.errors import CheckpointError, StoreError
 from aurora.store.atomic import atomic_writer, write_bytes
+from aurora.store.checkpoint import load_checkpoint
 
 STORE_FORMAT = 1
 

@@ -34,7 +34,6 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,61 +42,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aurora.codec import Weights
-from aurora.config.strict import convert
-from aurora.engine import Completion, Prompt
+from aurora.config.rl import GrpoSpec, ModelSpec
 from aurora.errors import ConfigError
-from aurora.model import ModelSpec, Tokenizer, build_model
-from aurora.tasks import Task
+from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
+from aurora.rl.model import Tokenizer, build_model
+from aurora.rl.tasks import Task
+from aurora.rl.types import Completion, Prompt
 
 log = structlog.get_logger("aurora.grpo")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GrpoSpec:
-    kind: str = "grpo"
-    group_size: int = 8
-    """Samples per prompt (G)."""
-    prompts_per_step: int = 8
-    """Groups per step."""
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    """0: no reference model."""
-    max_grad_norm: float = 1.0
-    epochs: int = 1
-    """AdamW steps on each step's samples."""
-    checkpoint_every: int = 10
-    """Versions between checkpoints of master weights and optimiser state (0: never)."""
-    warm_start_steps: int = 0
-    """Supervised steps on the task's answers before version 0 (for randomly initialised models)."""
-    warm_start_lr: float = 3e-3
-    warm_start_batch: int = 64
-    skip_flat_groups: bool = True
-    """Skip groups whose samples all scored the same (no signal). False: train on them with
-    advantage 0 too, so every step costs the same whatever the rewards (`aurora bench rl`)."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind != "grpo":
-            raise ConfigError(f"not a grpo section (kind {self.kind!r})", path="kind")
-        for name in ("group_size", "prompts_per_step", "epochs", "warm_start_batch"):
-            if getattr(self, name) < 1:
-                raise ConfigError("must be >= 1", path=name)
-        if self.group_size < 2:
-            raise ConfigError("GRPO needs at least 2 samples per prompt", path="group_size")
-        for name in ("lr", "warm_start_lr", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ConfigError("must be > 0", path=name)
-        if not 0 < self.clip_eps < 1:
-            raise ConfigError("must be in (0, 1)", path="clip_eps")
-        if self.kl_coef < 0 or self.weight_decay < 0 or self.checkpoint_every < 0 or self.warm_start_steps < 0:
-            raise ConfigError("kl_coef, weight_decay, checkpoint_every and warm_start_steps must be >= 0")
-
-    @classmethod
-    def from_section(cls, section: dict[str, Any], file: str | None = None) -> GrpoSpec:
-        return convert(cls, section, file=file, path="learner")
 
 
 Batch = Sequence[tuple[Prompt, Completion]]
@@ -224,11 +176,10 @@ class GrpoLearner:
             rewards += r.tolist()
             correct += [s.correct for s in scores]
             stale.append(self.version - comp.version)
-            std = float(r.std()) if len(r) > 1 else 0.0
+            adv, std = group_advantages(r)  # all 0 for a flat group
             if std < 1e-6 and self.spec.skip_flat_groups:
                 skipped += 1
                 continue
-            adv = (r - r.mean()) / (std + 1e-4)  # all 0 for a flat group
             for s, a in zip(comp.samples, adv.tolist(), strict=True):
                 seqs.append(comp.prompt_tokens + s.tokens)
                 starts.append(len(comp.prompt_tokens))
@@ -241,17 +192,12 @@ class GrpoLearner:
             for i, (lps, start) in enumerate(zip(old_rows, starts, strict=True)):
                 old[i, start - 1 : start - 1 + len(lps)] = torch.tensor(lps)
             adv = torch.tensor(adv_rows)[:, None]
-            ntok = targets.sum()
             ref_logp = self._logp(self.ref, ids, mask).detach() if self.ref is not None else None
             for _ in range(self.spec.epochs):
                 logp = self._logp(self.model, ids, mask)
-                ratio = torch.exp((logp - old) * targets)
-                eps = self.spec.clip_eps
-                surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
-                loss = -(surrogate * targets).sum() / ntok
+                loss, ratio = clipped_surrogate(logp, old, adv, targets, self.spec.clip_eps)
                 if ref_logp is not None:
-                    d = (ref_logp - logp) * targets
-                    kl = ((torch.exp(d) - d - 1) * targets).sum() / ntok
+                    kl = k3_kl(ref_logp, logp, targets)
                     loss = loss + self.spec.kl_coef * kl
                     kls.append(float(kl.detach()))
                 self.opt.zero_grad(set_to_none=True)
@@ -259,7 +205,7 @@ class GrpoLearner:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
                 self.opt.step()
                 losses.append(float(loss.detach()))
-                clipped.append(float((((ratio.detach() - 1).abs() > eps).float() * targets).sum() / ntok))
+                clipped.append(clip_fraction(ratio, targets, self.spec.clip_eps))
         self.version += 1
         n = max(1, len(rewards))
         self.stats = {

@@ -15,13 +15,13 @@ import itertools
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from aurora.config.strict import convert
-from aurora.engine import Prompt
+from aurora.config.rl import ArithmeticSpec, TaskSpec
 from aurora.errors import ConfigError
+from aurora.rl.types import Prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,36 +51,21 @@ def _exact(answer: str, text: str) -> Score:
     return Score(0.0, False)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class ArithmeticTask:
     """``a+b=`` → ``a+b`` in decimal, operands uniform in [0, max_operand]."""
 
-    kind: str = "arithmetic"
-    max_operand: int = 9
-
-    def __post_init__(self) -> None:
-        if self.max_operand < 1:
-            raise ConfigError("must be >= 1", path="max_operand")
+    spec: ArithmeticSpec = field(default_factory=ArithmeticSpec)
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(seed)
+        m = self.spec.max_operand
         for i in itertools.count():
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            a, b = rng.randint(0, m), rng.randint(0, m)
             yield Prompt(i, f"{a}+{b}=", str(a + b))
 
     def score(self, answer: str, text: str) -> Score:
         return _exact(answer, text)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JsonlSpec:
-    kind: str = "jsonl"
-    path: str = ""
-    """A JSONL file; relative paths are relative to the topology file."""
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("a jsonl task needs a path", path="path")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,18 +109,8 @@ class JsonlTask:
         return _exact(answer, text)
 
 
-def make_task(section: dict[str, Any], file: str | None = None) -> Task:
-    """The topology's ``task:`` section (default: arithmetic)."""
-    kind = section.get("kind", "arithmetic")
-    if kind == "arithmetic":
-        return convert(ArithmeticTask, section, file=file, path="task")
-    if kind == "jsonl":
-        spec = convert(JsonlSpec, section, file=file, path="task")
-        p = Path(spec.path)
-        if not p.is_absolute() and file:
-            p = Path(file).parent / p
-        try:
-            return JsonlTask.load(p)
-        except ConfigError as e:
-            raise ConfigError(e.message, file=file, path="task.path") from None
-    raise ConfigError(f"unknown task kind {kind!r} (this build has: arithmetic, jsonl)", file=file, path="task.kind")
+def make_task(spec: TaskSpec) -> Task:
+    """The task a topology's ``task:`` section describes (its paths already resolved)."""
+    if isinstance(spec, ArithmeticSpec):
+        return ArithmeticTask(spec)
+    return JsonlTask.load(Path(spec.path))

@@ -5,7 +5,7 @@ the ``uni`` executor), so a weight update is a function call, not a copy to
 another process. It reads the model directory's config and tokenizer; the
 weights it serves come from the tree, like every engine's.
 
-Applying a version (`apply`, via `_VerifiedApply`): the node's host copy holds
+Applying a version (`apply`, via `VerifiedApply`): the node's host copy holds
 the checkpoint-format tensors. vLLM fuses q/k/v and gate/up into one
 parameter each, so a touched tensor brings its whole group, fused here
 (`_fused`). The groups go straight into vLLM's parameters (`_write_in_place`):
@@ -47,14 +47,16 @@ import structlog
 import torch
 
 from aurora.codec import Weights
-from aurora.engine import Completion, EngineSpec, Prompt, Sample, _VerifiedApply, sample_seed
+from aurora.config.rl import EngineSpec
 from aurora.errors import ConfigError, DeltaFormatError
-from aurora.model import Tokenizer
+from aurora.rl.engines.base import VerifiedApply, sample_seed
+from aurora.rl.model import Tokenizer
+from aurora.rl.types import Completion, Prompt, Sample
 
 _FUSED = re.compile(r"^(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.(?P<leaf>weight|bias)$")
 _GROUP = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-log = structlog.get_logger("aurora.vllm_engine")
+log = structlog.get_logger("aurora.rl.engines.vllm")
 
 
 def group_of(name: str) -> str:
@@ -127,7 +129,7 @@ def _write_in_place(worker: Any, fused: dict[str, torch.Tensor]) -> None:
                 p.copy_(t)
 
 
-class VllmEngine(_VerifiedApply):
+class VllmEngine(VerifiedApply):
     """`Engine` on a vLLM `LLM` (see the module docstring)."""
 
     def __init__(self, spec: EngineSpec) -> None:

@@ -2,7 +2,7 @@
 
 A model directory is what `transformers` and vLLM both read: ``config.json``,
 ``model.safetensors`` (or shards) and a tokenizer. Nothing is downloaded:
-`ModelSpec.path` names a directory a user provides (a real Qwen3 checkpoint,
+`aurora.config.rl.ModelSpec.path` names a directory a user provides (a real Qwen3 checkpoint,
 say) or one that `init_model_dir` wrote (``aurora model init``). Without a
 path, `build_model` makes the preset's model in memory (tests, load generators).
 
@@ -20,58 +20,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aurora.config.rl import PRESETS, ModelSpec
 from aurora.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # ~150k parameters: fast enough for many processes on a 2-core machine (head_dim 32: the
-    # smallest that vLLM's CPU attention supports)
-    "tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 32},
-    # ~4.8M parameters
-    "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "head_dim": 32},
-}  # fmt: skip
-
 VOCAB_SIZE = 128
 SPECIALS = ("<pad>", "<s>", "</s>")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSpec:
-    path: str | None = None
-    """A Hugging Face model directory (relative paths: to the topology file). None: build ``preset`` in memory."""
-    preset: str = "tiny"
-    """Without ``path``: the architecture to build. With it: what ``aurora run`` creates there if it is missing."""
-    seed: int = 0
-    max_positions: int = 256
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {self.preset!r} (presets: {', '.join(PRESETS)})", path="preset")
-
-    def resolved(self, file: str | None) -> ModelSpec:
-        """With ``path`` made absolute against the directory of ``file`` (a topology file)."""
-        if self.path is None or Path(self.path).is_absolute():
-            return self
-        base = Path(file).parent if file else Path()
-        return replace(self, path=str((base / self.path).resolve()))
-
-    def directory(self) -> Path:
-        """The model directory, checked to hold a config (a clear error otherwise)."""
-        assert self.path is not None
-        p = Path(self.path)
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"{p} is not a model directory (no config.json); create one with "
-                              f"`aurora model init {p} --preset {self.preset}`", path="model.path")  # fmt: skip
-        return p
-
 
 _IMPORT = threading.Lock()
 

@@ -1,0 +1,237 @@
+"""The RL sections of a topology, typed: ``model``, ``task``, ``learner`` and ``engine``.
+
+These are descriptions only (frozen dataclasses, checked on load); `aurora.rl`
+builds the models, tasks, learners and engines they describe. Loading them with
+the topology (`aurora.config.topology.load_topology`) means that a typo under
+``learner:`` is an error naming its path at ``aurora topology check``, not when
+a node starts. Relative paths (``model.path``, ``task.path``) are made absolute
+against the topology file's directory at load (`resolve_paths`).
+
+A ``task`` or ``learner`` mapping without ``kind`` is the first kind of its
+union: ``arithmetic``, and ``synthetic``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from aurora.errors import ConfigError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~150k parameters: fast enough for many processes on a 2-core machine (head_dim 32: the
+    # smallest that vLLM's CPU attention supports)
+    "tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32},
+    # ~4.8M parameters
+    "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 32},
+}  # fmt: skip
+"""Architectures of the random Qwen3 models `aurora model init` builds (`aurora.rl.model`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    path: str | None = None
+    """A Hugging Face model directory (relative paths: to the topology file). None: build ``preset`` in memory."""
+    preset: str = "tiny"
+    """Without ``path``: the architecture to build. With it: what ``aurora run`` creates there if it is missing."""
+    seed: int = 0
+    max_positions: int = 256
+    fetch: str | None = None
+    """A known pretrained model (``aurora model fetch --list``) that ``aurora run`` fetches into ``path``
+    when it is missing, instead of building ``preset``."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.preset!r} (presets: {', '.join(PRESETS)})", path="preset")
+        if self.max_positions < 8:
+            raise ConfigError("must be >= 8", path="max_positions")
+        if self.fetch is not None and self.path is None:
+            raise ConfigError("fetch needs a path to fetch the model into", path="fetch")
+
+    def resolved(self, file: str | None) -> ModelSpec:
+        """With ``path`` made absolute against the directory of ``file`` (a topology file)."""
+        if self.path is None or Path(self.path).is_absolute():
+            return self
+        base = Path(file).parent if file else Path()
+        return replace(self, path=str((base / self.path).resolve()))
+
+    def directory(self) -> Path:
+        """The model directory, checked to hold a config (a clear error otherwise)."""
+        assert self.path is not None
+        p = Path(self.path)
+        if not (p / "config.json").is_file():
+            how = (f"aurora model fetch {self.fetch} {p}" if self.fetch is not None
+                   else f"aurora model init {p} --preset {self.preset}")  # fmt: skip
+            raise ConfigError(f"{p} is not a model directory (no config.json); create one with `{how}`",
+                              path="model.path")  # fmt: skip
+        return p
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArithmeticSpec:
+    """``a+b=`` → ``a+b`` in decimal, operands uniform in [0, max_operand]."""
+
+    kind: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = 9
+    operands: int = 2
+    """How many numbers are added."""
+    chat: bool = False
+    """Ask in words through the model's chat template, and read the answer as the last number of the
+    reply (for instruction-tuned models); False: the bare ``a+b=`` prompt, answer the whole reply."""
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ConfigError("must be >= 1", path="max_operand")
+        if not 2 <= self.operands <= 8:
+            raise ConfigError("must be in [2, 8]", path="operands")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JsonlSpec:
+    """Prompts and answers from a JSONL file."""
+
+    kind: Literal["jsonl"] = "jsonl"
+    path: str = ""
+    """A JSONL file; relative paths are relative to the topology file."""
+    chat: bool = False
+    """As for arithmetic: prompts through the chat template, the answer read from the reply's last number."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("a jsonl task needs a path", path="path")
+
+
+TaskSpec = ArithmeticSpec | JsonlSpec
+
+ENGINE_KINDS = ("torch", "vllm", "synthetic")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    kind: Literal["torch", "vllm", "synthetic"] = "torch"
+    """``torch`` (`TorchEngine`), ``vllm`` (`VllmEngine`) or ``synthetic`` (a load generator)."""
+    model: ModelSpec | None = None
+    """None: the topology's ``model``."""
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    """0 samples greedily."""
+    seed: int = 0
+    fixed_length: bool = False
+    """Always generate ``max_new_tokens`` (ignore end-of-sequence): for benchmarks whose work must not depend on the weights."""
+    token_s: float = 0.0
+    """synthetic only: seconds per generated token position of a batch (a stand-in for compute)."""
+    kv_cache_mb: int = 64
+    """vllm only: KV cache size (the CPU build's default memory check does not fit small machines)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError("must be >= 1", path="max_new_tokens")
+        if self.temperature < 0:
+            raise ConfigError("must be >= 0", path="temperature")
+        if self.kv_cache_mb < 1:
+            raise ConfigError("must be >= 1", path="kv_cache_mb")
+        if self.token_s < 0:
+            raise ConfigError("must be >= 0", path="token_s")
+
+    @property
+    def the_model(self) -> ModelSpec:
+        return self.model or ModelSpec()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyntheticSpec:
+    """A load generator that stands in for RL (`aurora.rl.learners.synthetic`)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    params: int = 1_000_000
+    """Total bf16 parameters, split over ``tensors`` tensors."""
+    tensors: int = 4
+    density: float = 0.02
+    """Fraction of elements changed per step."""
+    interval_s: float = 1.0
+    """Seconds between published versions (when ``samples_per_step`` is 0)."""
+    samples_per_step: int = 0
+    """Step after this many accepted rollout results instead of on a timer."""
+    step_s: float = 0.0
+    """Seconds each step takes (a stand-in for the training compute a real learner spends)."""
+    seed: int = 0
+    model: ModelSpec | None = None
+    """Start from this locally built model's weights (``params``/``tensors`` are then unused), so
+    that rollout engines on the same model serve every version."""
+
+    def __post_init__(self) -> None:
+        if self.params < self.tensors or self.tensors < 1:
+            raise ConfigError("need params >= tensors >= 1", path="params")
+        if not 0 < self.density <= 1:
+            raise ConfigError("must be in (0, 1]", path="density")
+        if self.interval_s <= 0:
+            raise ConfigError("must be > 0", path="interval_s")
+        if self.step_s < 0:
+            raise ConfigError("must be >= 0", path="step_s")
+        if self.samples_per_step < 0:
+            raise ConfigError("must be >= 0", path="samples_per_step")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrpoSpec:
+    """Group-relative policy optimisation (`aurora.rl.learners.grpo`)."""
+
+    kind: Literal["grpo"] = "grpo"
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    prompts_per_step: int = 8
+    """Groups per step."""
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """0: no reference model."""
+    max_grad_norm: float = 1.0
+    epochs: int = 1
+    """AdamW steps on each step's samples."""
+    checkpoint_every: int = 10
+    """Versions between checkpoints of master weights and optimiser state (0: never)."""
+    warm_start_steps: int = 0
+    """Supervised steps on the task's answers before version 0 (for randomly initialised models)."""
+    warm_start_lr: float = 3e-3
+    warm_start_batch: int = 64
+    skip_flat_groups: bool = True
+    """Skip groups whose samples all scored the same (no signal). False: train on them with
+    advantage 0 too, so every step costs the same whatever the rewards (`aurora bench rl`)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "prompts_per_step", "epochs", "warm_start_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be >= 1", path=name)
+        if self.group_size < 2:
+            raise ConfigError("GRPO needs at least 2 samples per prompt", path="group_size")
+        for name in ("lr", "warm_start_lr", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ConfigError("must be > 0", path=name)
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError("must be in (0, 1)", path="clip_eps")
+        for name in ("kl_coef", "weight_decay", "checkpoint_every", "warm_start_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError("must be >= 0", path=name)
+
+
+LearnerSpec = SyntheticSpec | GrpoSpec
+
+
+def resolve_paths(task: TaskSpec, model: ModelSpec | None, learner: LearnerSpec, engine: EngineSpec | None,
+                  file: str | None) -> tuple[TaskSpec, ModelSpec | None, LearnerSpec, EngineSpec | None]:  # fmt: skip
+    """The sections with relative paths made absolute against ``file``'s directory, and the engine's
+    model defaulting to the topology's."""
+    if isinstance(task, JsonlSpec) and not Path(task.path).is_absolute() and file:
+        task = replace(task, path=str(Path(file).parent / task.path))
+    model = model.resolved(file) if model is not None else None
+    if isinstance(learner, SyntheticSpec) and learner.model is not None:
+        learner = replace(learner, model=learner.model.resolved(file))
+    if engine is not None:
+        engine = replace(engine, model=(engine.model.resolved(file) if engine.model is not None else model))
+    return task, model, learner, engine

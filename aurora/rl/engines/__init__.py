@@ -1,0 +1,28 @@
+"""Rollout engines: `make_engine` builds the one an ``engine:`` section describes.
+
+`aurora.rl.engines.base` is the contract every engine keeps (the verified
+`apply`); `torch_engine`, `vllm_engine` and `synthetic` are the engines.
+"""
+
+from __future__ import annotations
+
+from aurora.config.rl import EngineSpec
+from aurora.rl.engines.base import Engine, VerifiedApply, WeightUpdate, sample_seed
+
+
+def make_engine(spec: EngineSpec) -> Engine:
+    """The engine ``spec`` describes (its model already resolved: `aurora.config.rl.resolve_paths`)."""
+    if spec.kind == "vllm":
+        from aurora.rl.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(spec)
+    if spec.kind == "torch":
+        from aurora.rl.engines.torch_engine import TorchEngine
+
+        return TorchEngine(spec)
+    from aurora.rl.engines.synthetic import SyntheticEngine
+
+    return SyntheticEngine(spec)
+
+
+__all__ = ["Engine", "EngineSpec", "VerifiedApply", "WeightUpdate", "make_engine", "sample_seed"]

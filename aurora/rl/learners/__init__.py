@@ -1,0 +1,24 @@
+"""Learners: `make_learner` builds the one a ``learner:`` section describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aurora.config.rl import GrpoSpec, LearnerSpec, ModelSpec
+from aurora.rl.learners.base import Learner
+from aurora.rl.tasks import Task
+
+
+def make_learner(spec: LearnerSpec, *, model: ModelSpec | None, task: Task, temperature: float,
+                 checkpoint_dir: Path | None) -> Learner:  # fmt: skip
+    """The learner ``spec`` describes (``model``: the topology's, paths resolved)."""
+    if isinstance(spec, GrpoSpec):
+        from aurora.rl.learners.grpo import GrpoLearner
+
+        return GrpoLearner(spec, model or ModelSpec(), task, temperature=temperature, checkpoint_dir=checkpoint_dir)
+    from aurora.rl.learners.synthetic import SyntheticLearner
+
+    return SyntheticLearner(spec)
+
+
+__all__ = ["Learner", "make_learner"]

@@ -1,0 +1,81 @@
+"""`SyntheticLearner`, a load generator that stands in for RL.
+
+It produces versions with the statistics that matter for weight sync: bf16
+weights ~N(0, 0.02) in a few tensors, of which a configurable ``density``
+fraction moves by ±1–2 ULP per step (bit-pattern steps, as lr ~1e-6 AdamW
+updates that survive the bf16 cast do). It is clearly a benchmark/test load,
+not training: it ignores its samples. With ``model:`` it starts from a locally
+built model's weights instead, so that rollout engines on that model serve
+(and really change with) every version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from aurora.codec import Weights
+from aurora.config.rl import SyntheticSpec
+from aurora.errors import ConfigError
+from aurora.rl.model import build_model, parameters
+
+
+class SyntheticLearner:
+    """A load generator (see the module docstring)."""
+
+    def __init__(self, spec: SyntheticSpec) -> None:
+        self.spec = spec
+        self.batch_size, self.interval_s, self.group_size, self.seed = (
+            spec.samples_per_step,
+            spec.interval_s,
+            1,
+            spec.seed,
+        )
+        self.stats: dict[str, Any] = {}
+        self.rng = np.random.default_rng(spec.seed)
+        if spec.model is not None:
+            params = parameters(build_model(spec.model))
+            self._bits = {n: t.reshape(-1).view(torch.int16).numpy().view(np.uint16).copy() for n, t in params.items()}
+            self._shapes = {n: tuple(t.shape) for n, t in params.items()}
+            return
+        per = spec.params // spec.tensors
+        self._bits = {  # bf16 bit patterns: the top half of each fp32
+            f"layers.{i}.weight": (
+                (self.rng.standard_normal(per, dtype=np.float32) * 0.02).view(np.uint32) >> 16
+            ).astype(np.uint16)
+            for i in range(spec.tensors)
+        }
+        self._shapes = {n: (b.size,) for n, b in self._bits.items()}
+
+    def _weights(self) -> Weights:
+        return Weights.from_tensors({k: _as_bf16(v).reshape(self._shapes[k]) for k, v in self._bits.items()})
+
+    def initial(self) -> Weights:
+        return self._weights()
+
+    def restore(self, weights: Weights, version: int) -> None:
+        for n, tb in weights.items():
+            if n not in self._bits or tb.bits.size != self._bits[n].size:
+                raise ConfigError(f"the stored weights do not fit this learner (tensor {n!r})", path="learner")
+            self._bits[n] = tb.bits.copy().astype(np.uint16)
+        self.rng = np.random.default_rng((self.spec.seed, version))
+
+    def step(self, batch: Sequence[Any] = ()) -> Weights:
+        if self.spec.step_s:
+            time.sleep(self.spec.step_s)
+        for bits in self._bits.values():
+            k = max(1, round(bits.size * self.spec.density))
+            pos = self.rng.choice(bits.size, size=k, replace=False)
+            steps = self.rng.choice(np.array([-2, -1, 1, 2], dtype=np.int32), size=k, p=[0.1, 0.4, 0.4, 0.1])
+            moved = (bits[pos].astype(np.int32) + steps).astype(np.uint16)
+            finite = (moved & 0x7F80) != 0x7F80  # a step never makes an inf or a NaN
+            bits[pos[finite]] = moved[finite]
+        return self._weights()
+
+
+def _as_bf16(bits: np.ndarray) -> Any:
+    return torch.from_numpy(bits.copy().view(np.int16)).view(torch.bfloat16)
