@@ -1,28 +1,38 @@
 """`VersionFlow`: a node's weight versions flowing in from its parent and out to its children.
 
 The driver for `aurora.protocol.routing.VersionRouter` over `Channel`s, with
-the codec doing the bytes. The trainer calls `publish` with each new version:
-the delta is encoded chunk by chunk and each chunk goes to the children as it
-is produced. A relay or rollout node feeds what its parent sends into
-`on_parent_message`: every chunk is verified on arrival (`DeltaReceiver.add`)
-and forwarded at once (cut-through); the version is committed all-or-nothing
-when the last chunk is in. Children report their versions with ``version``
-messages (`on_child_message`); a child that is behind gets the missing deltas
-in order from the node's recent history, or a snapshot when they are gone.
+the codec doing the bytes and `aurora.auth.seal` the trust. The trainer calls
+`publish` with each new version: the delta is encoded chunk by chunk and each
+chunk goes to the children as it is produced; then the version's seal (the
+trainer's signature over its number, base, layout, state and delta bytes). A
+relay or rollout node feeds what its parent sends into `on_parent_message`:
+every chunk is verified on arrival (`DeltaReceiver.add`) and forwarded at once
+(cut-through); the version is committed all-or-nothing once the last chunk and
+the seal are in and the seal verifies. Children report their versions with
+`Have` messages; a child that is behind gets the missing deltas in order from
+the node's recent history (each with its seal), a composed delta, or a snapshot
+(both with the seal of the version they make).
 
-Wire messages (headers; buffers carry the bytes):
+Wire messages (`aurora.protocol.messages`; buffers carry the bytes):
 
-* ``delta_manifest`` {base, target, n} + packed manifest — n chunks follow;
-* ``delta_chunk`` {target, i} + packed chunk;
-* ``version`` {v} — from a child: the version it now holds.
+* `DeltaManifest` {base, target, n, seal?} + packed manifest — n chunks follow;
+* `DeltaChunk` {target, i} + packed chunk;
+* `DeltaSeal` {target, seal} — after the chunks of a streamed delta (a catch-up
+  carries its seal in the manifest message instead);
+* `Have` {v} — from a child: the version it now holds.
 
-Invariants: a node applies a delta only onto the version it was made from (or
-a snapshot onto anything), so versions only move forward, one verified
-commit at a time; a chunk that fails verification raises `DeltaFormatError`
-and changes nothing. The weights change only under `weights_lock`, so a
-reader holding it (a rollout engine copying them) sees one whole version.
-With a store, `publish` stores the version before its last chunk leaves, so no
-child can commit a version the trainer has not stored.
+The router sees a streamed delta of n chunks as n + 1 pieces: the seal is the last.
+
+Invariants: a node applies a delta only onto the version it was made from (or a
+snapshot onto anything), so versions only move forward, one verified commit at a
+time; with the trainer's key, nothing is committed, stored or served that the
+trainer did not seal (the delta's bytes hash to the seal's, or the result's state
+does); a manifest is checked against the layout the node holds (or, holding
+nothing, the sealed layout) before anything is allocated; a chunk or seal that
+fails raises `DeltaFormatError` / `AuthError` and changes nothing. The weights
+change only under `weights_lock`, so a reader holding it (a rollout engine
+copying them) sees one whole version. With a store, `publish` stores the version
+before its seal leaves, so no child can commit a version the trainer has not stored.
 """
 
 from __future__ import annotations
@@ -37,15 +47,30 @@ from typing import Any
 import structlog
 from aurora.transport.base import Channel, Message
 
+from aurora.auth.seal import (
+    DeltaHasher,
+    Seal,
+    Sealer,
+    SealVerifier,
+    check_manifest,
+    manifest_layout,
+    state_hash,
+    tensor_hashes,
+    weights_layout,
+)
 from aurora.codec import Weights
 from aurora.codec.decoder import DeltaReceiver, blank_weights
 from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
-from aurora.errors import ProtocolError
+from aurora.errors import AuthError, DeltaFormatError, ProtocolError
+from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
 from aurora.store import DeltaStore
 
 log = structlog.get_logger("aurora.actors.flow")
+
+UNSIGNED = Sealer(None, bytes(16))
+"""What a trainer without a signing key seals with: the stream keeps its shape, nothing is signed."""
 
 DEFAULT_KEEP_VERSIONS = 8
 ENCODE_SLICE_S = 0.005
@@ -59,28 +84,38 @@ class _Stored:
     manifest: bytes
     chunks: list[bytes | None] = field(default_factory=list)
     snapshot: bool = False
+    seal: SealWire | None = None
 
     @property
     def complete(self) -> bool:
-        return all(c is not None for c in self.chunks)
+        return self.seal is not None and all(c is not None for c in self.chunks)
 
 
 @dataclass
 class _Incoming:
     manifest: Manifest
     receiver: DeltaReceiver
+    hasher: DeltaHasher
     streamed: bool
-    """Routed to children chunk by chunk (a delta on the latest version, not a snapshot)."""
+    """Routed to children chunk by chunk (a delta on the latest version, not a catch-up)."""
+    seal: tuple[Seal, SealWire] | None = None
 
 
 class VersionFlow:
     def __init__(self, name: str, weights: Weights | None, version: int | None, *,
                  keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False,
-                 store: DeltaStore | None = None) -> None:  # fmt: skip
+                 store: DeltaStore | None = None, sealer: Sealer | None = None,
+                 verifier: SealVerifier | None = None, seal: SealWire | None = None) -> None:  # fmt: skip
         self.name = name
         self.weights = weights
         self.version = version
         self.digest: bytes | None = weights.digest() if weights is not None else None
+        self.seal = seal
+        """The seal of the version held (None: none known yet)."""
+        self.sealer = sealer or UNSIGNED
+        """The trainer: makes each published version's seal."""
+        self.verifier = verifier or SealVerifier(None)
+        """Every other node: checks the seals of what it commits (with the trainer's public key)."""
         self.changed: OrderedDict[int, frozenset[str] | None] = OrderedDict()
         """Per committed version, the tensors its delta touched (None: a snapshot, everything)."""
         self.keep_versions = keep_versions
@@ -94,6 +129,8 @@ class VersionFlow:
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
         self._incoming: _Incoming | None = None
+        self._hashes: dict[str, bytes] = {}
+        """The trainer: BLAKE3 of each tensor of the version held (reused for tensors a step left alone)."""
         self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
         self.weights_lock = asyncio.Lock()
         self.committed = asyncio.Event()
@@ -101,7 +138,9 @@ class VersionFlow:
         self.bytes_in = 0
         """Delta bytes received from parents (manifests and chunks)."""
         self.last_published: dict[str, Any] = {}
-        """The trainer: bytes and density of the last version it published."""
+        """The trainer: bytes and density of the last version it published, and what sealing cost."""
+        self.last_verify_s = 0.0
+        """A relay or rollout: seconds its last commit spent verifying the seal (hash and signature)."""
 
     # -- children
     async def add_child(self, ch: Channel, version: int | None) -> None:
@@ -113,17 +152,14 @@ class VersionFlow:
         self.children.pop(peer, None)
         self.router.child_detached(peer)
 
-    async def on_child_message(self, peer: str, msg: Message) -> None:
-        if msg.header.get("k") == "version":
-            self.router.child_version(peer, int(msg.header["v"]))
-            await self._run(self.router.commands())
+    async def on_child_version(self, peer: str, version: int) -> None:
+        self.router.child_version(peer, version)
+        await self._run(self.router.commands())
 
     # -- the trainer's side
     async def publish(self, new: Weights) -> int:
-        """Make ``new`` the next version and stream its delta to the children as it is encoded.
-
-        With a store, the version is stored once every chunk is encoded and before the last one
-        is routed."""
+        """Make ``new`` the next version and stream its delta to the children as it is encoded, then
+        its seal. With a store, the version is stored before the seal leaves."""
         if self.weights is None or self.version is None:
             raise ProtocolError("publish needs a current version to diff against", remote=False)
         t0 = time.monotonic()
@@ -133,39 +169,81 @@ class VersionFlow:
         m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
                                   target_version=target, stats=stats)  # fmt: skip
         n = m.n_chunks
-        stored = _Stored(pack_manifest(m), [None] * n, m.is_snapshot)
+        packed = pack_manifest(m)
+        stored = _Stored(packed, [None] * n, m.is_snapshot)
+        hasher = DeltaHasher(packed, n)
         self._remember(target, stored)
-        self.router.delta_started(DeltaInfo(self.version, target, n))
+        self.router.delta_started(DeltaInfo(self.version, target, n + 1))
+        # the state hash (all the weights, BLAKE3) runs in a thread while the chunks are encoded
+        hashing = asyncio.ensure_future(asyncio.to_thread(self._hash_state, new)) if self._signs else None
         await self._run(self.router.commands())
         i, encode_s, store_s = 0, 0.0, 0.0
-        while i < n:
-            # encoded here in short slices, yielding between them so heartbeats keep flowing
+        try:
+            while i < n:
+                # encoded here in short slices, yielding between them so heartbeats keep flowing
+                t = time.monotonic()
+                batch = _encode_slice(chunks, n - i)
+                encode_s += time.monotonic() - t
+                for c in batch:
+                    stored.chunks[i] = c
+                    hasher.add(i, c)
+                    self.router.chunk_arrived(target, i)
+                    i += 1
+                await self._run(self.router.commands())
+                await asyncio.sleep(0)
             t = time.monotonic()
-            batch = _encode_slice(chunks, n - i)
-            encode_s += time.monotonic() - t
-            for c in batch:
-                stored.chunks[i] = c
-                if i == n - 1 and self.store is not None:
-                    t = time.monotonic()
-                    await asyncio.to_thread(self._keep, m, stored.chunks, new)
-                    store_s = time.monotonic() - t
-                self.router.chunk_arrived(target, i)
-                i += 1
-            await self._run(self.router.commands())
-            await asyncio.sleep(0)
+            state, hashes = (await hashing) if hashing is not None else (None, {})
+            wait_s = time.monotonic() - t
+        finally:
+            if hashing is not None and not hashing.done():
+                hashing.cancel()
+        t = time.monotonic()
+        wire = self.sealer.seal(v=target, base=None if m.is_snapshot else self.version, digest=m.target_digest,
+                                layout=weights_layout(new), state=state, delta=hasher.digest())  # fmt: skip
+        seal_s = time.monotonic() - t
+        if self.store is not None:
+            t = time.monotonic()
+            await asyncio.to_thread(self._keep, m, stored.chunks, new, wire)
+            store_s = time.monotonic() - t
+        stored.seal = wire
+        self.router.chunk_arrived(target, n)  # the seal goes out last
         async with self.weights_lock:
-            self.weights, self.version, self.digest = new, target, m.target_digest
+            self.weights, self.version, self.digest, self.seal = new, target, m.target_digest, wire
+            self._hashes = hashes
         self._changed(target, None)
         self.router.version_committed(target)
         await self._run(self.router.commands())
-        nbytes = len(stored.manifest) + sum(len(c) for c in stored.chunks if c is not None)
-        self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None}
+        nbytes = len(packed) + sum(len(c) for c in stored.chunks if c is not None)
+        publish_s = time.monotonic() - t0
+        self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None,
+                               "seal_s": round(seal_s + wait_s, 6)}  # fmt: skip
         log.info("version_published", node=self.name, version=target, chunks=n, bytes=nbytes,
-                 snapshot=m.is_snapshot, publish_s=round(time.monotonic() - t0, 6), encode_s=round(encode_s, 6),
-                 store_s=round(store_s, 6), changed=stats.changed,
+                 snapshot=m.is_snapshot, publish_s=round(publish_s, 6), encode_s=round(encode_s, 6),
+                 store_s=round(store_s, 6), seal_s=round(seal_s, 6), hash_wait_s=round(wait_s, 6),
+                 signed=self._signs, changed=stats.changed,
                  density=round(stats.density, 6) if base is not None else None,
                  digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
+
+    @property
+    def _signs(self) -> bool:
+        return self.sealer.signs
+
+    def _hash_state(self, new: Weights) -> tuple[bytes, dict[str, bytes]]:
+        """The state hash of ``new``; a tensor that is the very array of the version held keeps its hash."""
+        old = self.weights
+        reuse = {n: h for n, h in self._hashes.items() if old is not None and n in new and new[n].bits is old[n].bits}
+        hashes = tensor_hashes(new, reuse)
+        return state_hash(new, hashes), hashes
+
+    def first_seal(self) -> SealWire:
+        """The trainer: version 0's (or the resumed version's) seal, made now."""
+        assert self.weights is not None
+        assert self.version is not None
+        state, self._hashes = self._hash_state(self.weights) if self._signs else (None, {})
+        self.seal = self.sealer.seal(v=self.version, base=None, digest=self.weights.digest(),
+                                     layout=weights_layout(self.weights), state=state, delta=None)  # fmt: skip
+        return self.seal
 
     async def adopt(self, new: Weights) -> int:
         """Make ``new`` the next version here without delivering it (``sync.deliver: false``, the
@@ -178,65 +256,144 @@ class VersionFlow:
 
     # -- a relay's or rollout's side
     async def on_parent_message(self, msg: Message) -> int | None:
-        """Feed one message from the parent; returns the version just committed, if any."""
-        h = msg.header
-        k = h.get("k")
+        """Feed one version-stream message from the parent; returns the version just committed, if
+        any. Raises `DeltaFormatError`, `AuthError` or `ProtocolError` for what the parent got wrong
+        (nothing changes then; the caller leaves that parent)."""
+        m = msg.msg
         self.bytes_in += sum(len(b) for b in msg.buffers)
-        if k == "delta_manifest":
-            self._begin(bytes(msg.buffers[0]))
+        if isinstance(m, DeltaManifest):
+            self._begin(m, bytes(msg.buffers[0]))
             return None
-        if k == "delta_chunk":
-            return await self._chunk(int(h["target"]), int(h["i"]), bytes(msg.buffers[0]))
-        return None
+        if isinstance(m, DeltaChunk):
+            return await self._chunk(m.target, m.i, bytes(msg.buffers[0]))
+        if isinstance(m, DeltaSeal):
+            return await self._sealed(m.target, m.seal)
+        raise ProtocolError(f"{self.name}: {type(m).__name__} is not part of a version stream", remote=True)
 
-    def _begin(self, packed: bytes) -> None:
+    def parent_lost(self) -> None:
+        """The parent is gone: a delta half-received from it is abandoned (the next parent resends)."""
+        inc, self._incoming = self._incoming, None
+        if inc is not None and inc.streamed:
+            target = inc.manifest.target_version
+            self.history.pop(target, None)
+            self.router.delta_abandoned(target)
+
+    def _begin(self, h: DeltaManifest, packed: bytes) -> None:
         m = unpack_manifest(packed)
+        if m.target_version != h.target or m.base_version != h.base or m.n_chunks != h.n:
+            raise ProtocolError(f"{self.name}: a manifest message that does not match its manifest", remote=True)
         if not m.is_snapshot and m.base_version != self.version:
             raise ProtocolError(f"{self.name}: parent sent a delta from version {m.base_version}, "
                                 f"this node holds {self.version}", remote=True)  # fmt: skip
-        rx = DeltaReceiver(m)
+        if self.version is not None and m.target_version <= self.version:
+            raise ProtocolError(f"{self.name}: parent sent version {m.target_version}, this node holds "
+                                f"{self.version} already", remote=True)  # fmt: skip
+        sealed = None
+        if h.seal is not None:
+            seal = self.verifier.open(h.seal)
+            check_manifest(seal, m)
+            sealed = (seal, h.seal)
+        # nothing is allocated for a manifest before its layout is known to be the right one
+        if self.weights is not None:
+            if manifest_layout(m) != weights_layout(self.weights):
+                raise DeltaFormatError(f"{self.name}: the parent's version {m.target_version} has another layout "
+                                       "(tensor names, dtypes or shapes) than the weights held")  # fmt: skip
+        elif sealed is None and self.verifier.authenticates:
+            raise AuthError(f"{self.name}: a first version must come with its seal")
+        self.parent_lost()  # whatever was half-received before is superseded
         # the next version (a delta, or a snapshot of the full-weight baseline) is forwarded chunk by chunk
-        streamed = self.version is not None and m.target_version == self.version + 1
-        self._incoming = _Incoming(m, rx, streamed)
+        streamed = self.version is not None and m.target_version == self.version + 1 and sealed is None
+        self._incoming = _Incoming(m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed)
         if streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
-            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks))
+            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks + 1))
 
     async def _chunk(self, target: int, i: int, data: bytes) -> int | None:
         inc = self._incoming
         if inc is None or inc.manifest.target_version != target or not 0 <= i < inc.manifest.n_chunks:
             raise ProtocolError(f"{self.name}: chunk {i} of version {target} was not announced", remote=True)
         inc.receiver.add(data)  # verified here; a bad chunk raises and nothing changes
+        inc.hasher.add(i, data)
         if inc.streamed:
             stored = self.history[target]
             stored.chunks[i] = data
             self.router.chunk_arrived(target, i)
             await self._run(self.router.commands())
-        if not inc.receiver.complete:
-            return None
+        if inc.receiver.complete and (inc.seal is not None or not inc.streamed):
+            return await self._finish(inc)  # a streamed delta waits for its seal, which follows
+        return None
+
+    async def _sealed(self, target: int, wire: SealWire) -> int | None:
+        inc = self._incoming
+        if inc is None or inc.manifest.target_version != target or not inc.receiver.complete or inc.seal is not None:
+            raise ProtocolError(f"{self.name}: a seal for version {target} out of place", remote=True)
+        seal = self.verifier.open(wire)
+        check_manifest(seal, inc.manifest)
+        inc.seal = (seal, wire)
+        return await self._finish(inc)
+
+    async def _finish(self, inc: _Incoming) -> int:
+        """Verify the seal against what arrived, forward it, commit, store."""
+        m, target = inc.manifest, inc.manifest.target_version
+        if inc.seal is None:
+            if self.verifier.authenticates:
+                raise AuthError(f"{self.name}: version {target} came without a seal")
+            return await self._commit(inc, None, False, False, 0.0)
+        seal, wire = inc.seal
+        t = time.monotonic()
+        trusted_bytes = seal.delta is not None and seal.delta == inc.hasher.digest()
+        if trusted_bytes and not m.is_snapshot and seal.base != m.base_version:
+            raise AuthError(f"{self.name}: version {target}'s seal is for a delta from {seal.base}, not "
+                            f"{m.base_version}")  # fmt: skip
+        check_state = self.verifier.authenticates and not trusted_bytes
+        if not check_state and self.verifier.authenticates and not m.is_snapshot and self.seal is None:
+            raise AuthError(f"{self.name}: holds version {self.version} unsealed; a delta onto it proves nothing")
+        verify_s = time.monotonic() - t
+        if inc.streamed:  # the seal follows the chunks down the tree, as soon as it checks out
+            self.history[target].seal = wire
+            self.router.chunk_arrived(target, m.n_chunks)
+            await self._run(self.router.commands())
+        return await self._commit(inc, wire, trusted_bytes, check_state, verify_s)
+
+    async def _commit(self, inc: _Incoming, wire: SealWire | None, trusted_bytes: bool, check_state: bool,
+                      verify_s: float) -> int:  # fmt: skip
+        m, target = inc.manifest, inc.manifest.target_version
         self._incoming = None
+        sealed = inc.seal[0] if inc.seal is not None else None
+
+        def sealed_state(w: Weights) -> None:  # O(weights): only for bytes the trainer did not stream
+            assert sealed is not None
+            if state_hash(w) != sealed.state:
+                raise AuthError(f"{self.name}: version {target} does not hash to the state the trainer sealed")
+
+        check = sealed_state if check_state else None
         touched: frozenset[str] | None = None
-        if inc.manifest.is_snapshot or self.weights is None:
-            fresh = await asyncio.to_thread(_commit_snapshot, inc)
+        t = time.monotonic()
+        if m.is_snapshot or self.weights is None:
+            fresh = await asyncio.to_thread(_commit_snapshot, inc, check)
             async with self.weights_lock:
                 self.weights = fresh
-                self.version, self.digest = target, inc.manifest.target_digest
+                self.version, self.digest, self.seal = target, m.target_digest, wire
         else:
             w = self.weights
             async with self.weights_lock:  # decode and apply in one thread hand-off
-                touched = await asyncio.to_thread(_decode_and_apply, inc.receiver, w)
-                self.version, self.digest = target, inc.manifest.target_digest
+                touched = await asyncio.to_thread(_decode_and_apply, inc.receiver, w, check)
+                self.version, self.digest, self.seal = target, m.target_digest, wire
+        if check_state:
+            verify_s += time.monotonic() - t
+        self.last_verify_s = verify_s
         self._changed(target, touched)
         if self.store is not None:
             kept = self.history.get(target) if inc.streamed else None
             w = self.weights
-            await asyncio.to_thread(self._keep, inc.manifest, None if kept is None else kept.chunks, w, prune=True)
+            await asyncio.to_thread(self._keep, m, None if kept is None else kept.chunks, w, wire, prune=True)
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
         await self._run(self.router.commands())
-        log.info("version_committed", node=self.name, version=target, snapshot=inc.manifest.is_snapshot,
-                 digest=inc.manifest.target_digest.hex()[:16])  # fmt: skip
+        log.info("version_committed", node=self.name, version=target, snapshot=m.is_snapshot,
+                 verified="bytes" if trusted_bytes else ("state" if check_state else "unsigned"),
+                 verify_s=round(verify_s, 6), digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
 
     # -- executing the router's commands
@@ -253,19 +410,25 @@ class VersionFlow:
                 continue
             if isinstance(cmd, SendManifest):
                 stored = self.history[cmd.delta.target]
-                await ch.send({"k": "delta_manifest", "base": cmd.delta.base, "target": cmd.delta.target,
-                               "n": cmd.delta.chunks}, stored.manifest)  # fmt: skip
+                await ch.send(DeltaManifest(base=cmd.delta.base if not stored.snapshot else None,
+                                            target=cmd.delta.target, n=cmd.delta.chunks - 1), stored.manifest)  # fmt: skip
             elif isinstance(cmd, SendChunk):
-                chunk = self.history[cmd.target].chunks[cmd.index]
-                assert chunk is not None
-                await ch.send({"k": "delta_chunk", "target": cmd.target, "i": cmd.index}, chunk)
+                stored = self.history[cmd.target]
+                if cmd.index == len(stored.chunks):
+                    assert stored.seal is not None
+                    await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
+                else:
+                    chunk = stored.chunks[cmd.index]
+                    assert chunk is not None
+                    await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), chunk)
             elif isinstance(cmd, SendCatchUp):
                 await self._catch_up(ch, cmd)
 
-    def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, *, prune: bool = False) -> None:
-        """Store version ``m.target_version`` (``weights``): its delta when the base is the latest
-        stored version, else (or every ``anchor_every`` versions) an anchor; ``prune`` then drops
-        all but the recent versions (a relay's or rollout's store; the trainer's keeps them all)."""
+    def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, seal: SealWire | None, *,
+              prune: bool = False) -> None:  # fmt: skip
+        """Store version ``m.target_version`` (``weights``) with its seal: its delta when the base is
+        the latest stored version, else (or every ``anchor_every`` versions) an anchor; ``prune`` then
+        drops all but the recent versions (a relay's or rollout's store; the trainer's keeps them all)."""
         store, v = self.store, m.target_version
         assert store is not None
         latest = store.latest()
@@ -273,10 +436,10 @@ class VersionFlow:
             return  # already there (a restarted node catching up to what it had)
         full = chunks is None or any(c is None for c in chunks) or m.is_snapshot or m.base_version != latest
         if full or v % store.anchor_every == 0:
-            store.put_anchor(v, weights)
+            store.put_anchor(v, weights, seal=seal)
         else:
             assert chunks is not None
-            store.put_delta(m, [c for c in chunks if c is not None])
+            store.put_delta(m, [c for c in chunks if c is not None], seal=seal)
         if prune:
             store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
 
@@ -285,14 +448,14 @@ class VersionFlow:
         when a snapshot would be as small (then the caller sends what it would have)."""
         assert self.store is not None
         async with self.weights_lock:
-            weights, version = self.weights, self.version
+            weights, version, seal = self.weights, self.version, self.seal
             assert weights is not None
             assert version is not None
             base = await asyncio.to_thread(self.store.get, have)
             d = await asyncio.to_thread(encode, base, weights, base_version=have, target_version=version)
         if d.prefer_snapshot:
             return False
-        await _send_delta(ch, have, version, pack_manifest(d.manifest), d.chunks)
+        await _send_delta(ch, have, version, pack_manifest(d.manifest), d.chunks, seal)
         log.info("catch_up_sent", node=self.name, child=ch.peer, composed=True, base=have, version=version)
         return True
 
@@ -306,18 +469,17 @@ class VersionFlow:
             chain = range(start, cmd.to_version + 1)
             for v in chain:
                 s = self.history[v]
-                await _send_delta(
-                    ch, None if s.snapshot else v - 1, v, s.manifest, [c for c in s.chunks if c is not None]
-                )
+                await _send_delta(ch, None if s.snapshot else v - 1, v, s.manifest,
+                                  [c for c in s.chunks if c is not None], s.seal)  # fmt: skip
             log.info("catch_up_sent", node=self.name, child=ch.peer, versions=len(chain))
             return
         if self.weights is None:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
         async with self.weights_lock:  # label the snapshot with what the weights are now
-            weights, version = self.weights, self.version
+            weights, version, seal = self.weights, self.version, self.seal
             assert version is not None
             snap = await asyncio.to_thread(encode, None, weights, base_version=None, target_version=version)
-        await _send_delta(ch, None, version, pack_manifest(snap.manifest), snap.chunks)
+        await _send_delta(ch, None, version, pack_manifest(snap.manifest), snap.chunks, seal)
         log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
 
     def _replay_from(self, have: int | None, to: int) -> int | None:
@@ -355,9 +517,10 @@ class VersionFlow:
             self.history.popitem(last=False)
 
 
-def _decode_and_apply(rx: DeltaReceiver, w: Weights) -> frozenset[str]:
-    """Stage every chunk against ``w``, then apply them in place: the tensors touched."""
-    return frozenset(rx.stage(w).commit(w))
+def _decode_and_apply(rx: DeltaReceiver, w: Weights, check: Any) -> frozenset[str]:
+    """Stage every chunk against ``w``, then apply them in place: the tensors touched. ``check``
+    (the seal's state) runs on the result before the commit stands."""
+    return frozenset(rx.stage(w).commit(w, check=check))
 
 
 def _encode_slice(chunks: Iterator[bytes], left: int) -> list[bytes]:
@@ -368,14 +531,15 @@ def _encode_slice(chunks: Iterator[bytes], left: int) -> list[bytes]:
     return out
 
 
-async def _send_delta(ch: Channel, base: int | None, target: int, manifest: bytes, chunks: Sequence[bytes]) -> None:
-    """One whole delta (or snapshot, ``base`` None) to one child: the manifest, then every chunk."""
-    await ch.send({"k": "delta_manifest", "base": base, "target": target, "n": len(chunks)}, manifest)
+async def _send_delta(ch: Channel, base: int | None, target: int, manifest: bytes, chunks: Sequence[bytes],
+                      seal: SealWire | None) -> None:  # fmt: skip
+    """One whole delta (or snapshot, ``base`` None) to one child: the manifest with the seal, then every chunk."""
+    await ch.send(DeltaManifest(base=base, target=target, n=len(chunks), seal=seal), manifest)
     for i, c in enumerate(chunks):
-        await ch.send({"k": "delta_chunk", "target": target, "i": i}, c)
+        await ch.send(DeltaChunk(target=target, i=i), c)
 
 
-def _commit_snapshot(inc: _Incoming) -> Weights:
+def _commit_snapshot(inc: _Incoming, check: Any) -> Weights:
     fresh = blank_weights(inc.manifest)
-    inc.receiver.stage(None).commit(fresh)
+    inc.receiver.stage(None).commit(fresh, check=check)
     return fresh

@@ -9,9 +9,9 @@ escalates (`RestartIntensityExceeded`): the node exits non-zero saying which
 actor and why. The actors:
 
 * ``children`` (trainer, relays): accepts child connections; each child's
-  first message is a ``version`` hello; then its ``version`` reports go to the
-  flow and its work messages (``want``/``renew``/``result``) to the
-  coordinator (trainer) or up to this node's parent (relay);
+  first message is a `Hello`; then its `Have` reports go to the flow and its
+  work messages (`Want`/`Renew`/`Result`) to the coordinator (trainer) or up
+  to this node's parent (relay);
 * ``uplink`` (relays, rollouts): dials the planned parent and, when it is lost
   (heartbeats), unreachable or refuses, the fallbacks in turn; on attach the
   node says which version it holds and catches up; the parent's stream feeds
@@ -19,56 +19,94 @@ actor and why. The actors:
 * ``coordinator`` and ``publisher`` (trainer): leases prompts and gates results
   (`aurora.actors.work`); the learner steps every ``learner.interval_s``, or
   after ``learner.samples_per_step`` accepted results, and each version is
-  stored before its last chunk leaves (a restarted trainer resumes from it);
+  stored before its seal leaves (a restarted trainer resumes from it);
 * ``worker`` (rollouts with an ``engine`` section): generates, switching the
   engine's version only between batches.
 
-A parent answers a child's hello with its path from the trainer, or refuses
-the child while it is itself detached or when the child is its own ancestor;
-a node whose parent's path comes to run through itself leaves that parent —
-so failover never closes a cycle. Logs say what happened:
-``version_published``, ``version_committed``, ``parent_attached``,
-``parent_lost``, ``child_attached``, ``engine_switched``, ``step``.
+Trust and isolation (docs/security.md):
+
+* who a peer is comes from its CurveZMQ key (`aurora.auth.keys`); a node takes as
+  children only the nodes the topology allows under it (the planned tree and the
+  fallbacks); a rollout speaks only for itself in work and status messages, a
+  relay for the nodes that may be below it;
+* every message is typed and validated on arrival; one that is out of place is the
+  peer's fault (`Channel.fault`): dropped, and a peer that keeps at it is cut off;
+* anything that goes wrong while serving one child closes that child's channel, and
+  anything that goes wrong with a parent's stream makes the node leave that parent
+  (`parent_failed`) and try the next: no peer can crash an actor or the node.
+
+The tree that runs is the planned tree: at start a node keeps trying its planned
+parent for `PLANNED_PATIENCE_S` before it falls back, and a node on a fallback
+parent probes its planned parent and returns once that has accepted probes for
+``return_after_s`` (hysteresis: a flapping parent does not pull children back and
+forth). A parent answers a child's hello with its path from the trainer, or refuses
+the child while it is itself detached or when the child is its own ancestor; a node
+whose parent's path comes to run through itself leaves that parent — so failover
+never closes a cycle. Logs say what happened: ``version_published``,
+``version_committed``, ``parent_attached``, ``parent_lost``, ``parent_failed``,
+``parent_return``, ``child_attached``, ``child_failed``, ``engine_switched``, ``step``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import structlog
 from aurora.actors.flow import VersionFlow
 from aurora.actors.status import STATUS_EVERY_S, ClusterStatus
 from aurora.actors.work import (
-    DOWN,
-    UP,
     Coordinator,
     Routes,
+    WorkBoard,
     Worker,
     WorkerStats,
-    WorkPool,
     send_or_drop,
     tell_or_drop,
 )  # fmt: skip
 from aurora.transport.base import Channel, Transport
-from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
+from aurora.transport.zmq import LinkConfig, ZmqTransport
 
+from aurora.auth.keys import OPERATOR, NodeKeys, exposed_nodes, load_node_keys
+from aurora.auth.seal import Sealer, SealVerifier, state_hash, weights_layout
 from aurora.codec import Weights
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.rl import EngineSpec
 from aurora.config.topology import Topology, WebRtcSpec
-from aurora.errors import ConfigError, DeltaFormatError, ProtocolError, TransportClosed
+from aurora.errors import AuroraError, AuthError, ConfigError, StoreError, TransportClosed
 from aurora.protocol.leases import LeaseHolder
+from aurora.protocol.messages import (
+    DOWN,
+    UP,
+    AppMessage,
+    DeltaChunk,
+    DeltaManifest,
+    DeltaSeal,
+    Have,
+    Held,
+    Hello,
+    NodeReport,
+    PathUpdate,
+    Refused,
+    Signal,
+    SignalHello,
+    Status,
+    StatusQuery,
+    StatusSnapshot,
+)
+from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import Learner, make_learner
 from aurora.rl.tasks import make_task
-from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
+from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor, unwrap_group
 from aurora.store import DeltaStore
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
@@ -79,6 +117,9 @@ log = structlog.get_logger("aurora.node")
 RETRY_PAUSE_S = 0.5
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 30.0
+PLANNED_PATIENCE_S = 60.0
+"""At start, how long a node keeps trying its planned parent before it falls back (a trainer may
+take a minute to load a real model before it listens)."""
 
 
 class NodeTransport(Transport, Protocol):
@@ -93,21 +134,30 @@ class NodeTransport(Transport, Protocol):
 
 async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
                    store: Path | None = None, transport: NodeTransport | None = None,
-                   observe: Callable[[Node], None] | None = None) -> None:  # fmt: skip
+                   observe: Callable[[Node], None] | None = None, insecure: bool = False) -> None:  # fmt: skip
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
-    ``store``: the node's version store (resume from its latest version); None keeps none.
+    ``store``: the node's version store (resume from its latest usable version); None keeps none.
     ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
-    ``observe``: called with the `Node` once it is built (tests read its state)."""
+    ``observe``: called with the `Node` once it is built (tests read its state).
+    ``insecure``: run without keys although some node listens beyond loopback."""
     try:
         spec = topo.node(name)
     except KeyError:
         raise ConfigError(f"no node named {name!r} (nodes: {', '.join(n.name for n in topo.nodes)})",
                           file=file) from None  # fmt: skip
+    keys = load_node_keys(topo, name, file)
+    exposed = exposed_nodes(topo) if transport is None else []  # a test's in-memory links listen nowhere
+    if not keys.secure and exposed and not insecure:
+        raise ConfigError(f"{', '.join(exposed)} listen beyond loopback, and the topology has no keys: anyone who "
+                          "can reach them could join the tree. Make keys (aurora keys generate --topology FILE, "
+                          "then keys: {dir: ...}) or pass --insecure", file=file, path="keys")  # fmt: skip
     hb = topo.heartbeat
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
-    node = Node(name, topo, file)
+    if not keys.secure:
+        log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")
+    node = Node(name, topo, tree, file, keys)
     await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
@@ -115,7 +165,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         await node.open_store(store)
         if spec.role == "rollout" and topo.engine is not None:
             node.engine = await asyncio.to_thread(make_engine, topo.engine)
-    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, **curve_options(topo, name, file))
+    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys)
     if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
         node.rtc = _rtc(topo, name, file)
     if observe is not None:
@@ -133,7 +183,8 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
             if node.rtc is not None:
                 node.rtc.start_in(tg)
             sup_task = await sup.start_in(tg)
-            log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs])
+            log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs],
+                     authenticated=keys.secure)  # fmt: skip
             stopping = asyncio.ensure_future(stop.wait())
             try:
                 await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -162,8 +213,8 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
         order = [parent, *tree.fallbacks.get(name, ())]
         specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, order, lost_after_s)))
     if node.pool is not None:
-        pool = node.pool
-        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, node.flow, node.down)))
+        pool, board = node.pool, node.board
+        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, board, node.flow, node.down)))
         specs.append(ChildSpec("publisher", actor=lambda: _Publisher(node), restart="transient"))
     if spec.role != "trainer":
         specs.append(ChildSpec("reporter", actor=lambda: _Reporter(node)))
@@ -174,50 +225,55 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
     return specs
 
 
-def curve_options(topo: Topology, name: str, file: str | None) -> dict[str, Any]:
-    """`ZmqTransport` keyword arguments for CurveZMQ when the topology sets keys: this node's key
-    pair (its ``secret_key_file``, relative to the topology file), every node's public key as
-    the servers' allowlist (a child may fail over to any parent), and the parents' public keys."""
-    spec = topo.node(name)
-    if spec.public_key is None or spec.secret_key_file is None:
-        return {}
-    import zmq.auth
+def _may_attach(tree: Tree) -> dict[str, set[str]]:
+    """Per node, the nodes the topology lets attach under it (the planned tree and every fallback)."""
+    under: dict[str, set[str]] = {n: set() for n in tree.parent}
+    for child, p in tree.parent.items():
+        for q in [p, *tree.fallbacks.get(child, ())]:
+            if q is not None:
+                under.setdefault(q, set()).add(child)
+    return under
 
-    i = next(k for k, n in enumerate(topo.nodes) if n.name == name)
-    where = Path(file).parent if file else Path()
-    path = where / spec.secret_key_file
-    try:
-        public, secret = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the CurveZMQ secret key {path}: {e}", file=file,
-                          path=f"nodes[{i}].secret_key_file") from None  # fmt: skip
-    if secret is None:
-        raise ConfigError(f"{path} holds no secret key (give the .key_secret file)", file=file,
-                          path=f"nodes[{i}].secret_key_file")  # fmt: skip
-    if public.decode() != spec.public_key:
-        raise ConfigError(f"the key pair in {path} does not match this node's public_key", file=file,
-                          path=f"nodes[{i}].public_key")  # fmt: skip
-    keys = {n.name: n.public_key.encode() for n in topo.nodes if n.public_key is not None}
-    return {"curve": CurveKeys(public, secret), "allowed_clients": set(keys.values()), "server_keys": keys}
+
+def _closure(under: dict[str, set[str]], root: str) -> frozenset[str]:
+    seen: set[str] = set()
+    todo = [root]
+    while todo:
+        for c in under.get(todo.pop(), ()):
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+    return frozenset(seen)
 
 
 class Node:
     """State that outlives the node's actors (see the module docstring)."""
 
-    def __init__(self, name: str, topo: Topology, file: str | None) -> None:
+    def __init__(self, name: str, topo: Topology, tree: Tree, file: str | None, keys: NodeKeys | None = None) -> None:
         self.name = name
         self.topo = topo
+        self.tree = tree
         self.file = file
+        self.keys = keys or NodeKeys()
         spec = topo.node(name)
-        self.place = Place(name, [] if spec.role == "trainer" else None)
-        self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights)
+        self.role = {n.name: n.role for n in topo.nodes}
+        under = _may_attach(tree)
+        self.children_allowed = frozenset(under.get(name, ()))
+        """The nodes that may attach here."""
+        self.below = {c: _closure(under, c) for c in self.children_allowed}
+        """Per child that may attach, the nodes that may be in its subtree (it speaks for them)."""
+        self.place = Place(name, [] if spec.role == "trainer" else None, planned=tree.parent[name])
+        self.verifier = SealVerifier(self.keys.verifier)
+        self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights, verifier=self.verifier)
         self.routes = Routes()
         self.pool: WorkPool | None = None
+        self.board = WorkBoard()
         self.learner: Learner | None = None
         self.store: DeltaStore | None = None
         self.engine: Any = None
         self.worker_stats = WorkerStats()
-        self.status = ClusterStatus([n.name for n in topo.nodes if n.role != "trainer"])
+        self.status = ClusterStatus([n.name for n in topo.nodes if n.role != "trainer"],
+                                    planned={n: p for n, p in tree.parent.items() if p is not None})  # fmt: skip
         self.sup: Supervisor | None = None
         self.rtc: WebRtcTransport | None = None
         """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
@@ -229,36 +285,68 @@ class Node:
             self.store = DeltaStore(store)
         engine = self.topo.engine or EngineSpec()
         learner = make_learner(self.topo.learner, model=self.topo.model, task=task, temperature=engine.temperature,
-                               checkpoint_dir=None if store is None else store / "checkpoints")  # fmt: skip
+                               checkpoint_dir=None if store is None else store / "checkpoints",
+                               chat=self.topo.task.chat)  # fmt: skip
         self.learner = learner
+        sealer = Sealer(self.keys.signer, self.store.run if self.store is not None else secrets.token_bytes(16))
         latest = None if self.store is None else self.store.latest()
         if latest is None:
             weights, version = await asyncio.to_thread(learner.initial), 0
-            if self.store is not None:
-                await asyncio.to_thread(self.store.put_anchor, 0, weights)
         else:
             assert self.store is not None
-            weights = await asyncio.to_thread(self.store.get, latest)
+            try:
+                weights = await asyncio.to_thread(self.store.get, latest)
+            except StoreError as e:
+                raise StoreError(f"the trainer cannot resume from its store: {e}") from None
             version = latest
             await asyncio.to_thread(learner.restore, weights, version)
             log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
-                                store=self.store)  # fmt: skip
-        self.pool = WorkPool(self.topo.leases, self.topo.staleness.max_versions, task.prompts(learner.seed),
-                             group_size=learner.group_size, batch=learner.batch_size,
-                             steps=self.topo.run.steps)  # fmt: skip
+                                store=self.store, sealer=sealer, verifier=self.verifier)  # fmt: skip
+        seal = await asyncio.to_thread(self.flow.first_seal)
+        if self.store is not None and latest is None:
+            await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)
+        settings = PoolSettings(ttl_s=self.topo.leases.ttl_s, prompts_per_lease=self.topo.leases.prompts_per_lease,
+                                batch_s=self.topo.leases.batch_s, ahead_steps=self.topo.leases.ahead_steps,
+                                max_stale=self.topo.staleness.max_versions)  # fmt: skip
+        prompts = (replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed))
+        rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)
+        self.pool = WorkPool(settings, prompts, rules, group_size=learner.group_size, batch=learner.batch_size,
+                             steps=self.topo.run.steps, mint=lambda: secrets.token_bytes(16))  # fmt: skip
 
     async def open_store(self, store: Path | None) -> None:
-        """A relay's or rollout's store: resume from its latest version (then catch up from the parent)."""
+        """A relay's or rollout's store: resume from its newest usable version (then catch up from the
+        parent). A version that is unreadable, or whose seal does not verify, is skipped and logged."""
         if store is None:
             return
         self.store = DeltaStore(store)
-        latest = self.store.latest()
-        weights = None if latest is None else await asyncio.to_thread(self.store.get, latest)
-        if weights is not None:
-            log.info("node_resumed", version=latest, store=str(store), digest=weights.digest().hex()[:16])
-        self.flow = VersionFlow(self.name, weights, latest, full_weights=self.topo.sync.full_weights,
-                                store=self.store)  # fmt: skip
+        for v in reversed(self.store.versions()):
+            try:
+                weights, seal = await asyncio.to_thread(self._resume_from, v)
+            except (StoreError, AuthError) as e:
+                log.warning("store_version_unusable", version=v, store=str(store), error=str(e))
+                continue
+            log.info("node_resumed", version=v, store=str(store), digest=weights.digest().hex()[:16])
+            self.flow = VersionFlow(self.name, weights, v, full_weights=self.topo.sync.full_weights,
+                                    store=self.store, verifier=self.verifier, seal=seal)  # fmt: skip
+            return
+        self.flow = VersionFlow(self.name, None, None, full_weights=self.topo.sync.full_weights, store=self.store,
+                                verifier=self.verifier)  # fmt: skip
+
+    def _resume_from(self, v: int) -> tuple[Weights, Any]:
+        """Version ``v`` from the store, checked against its seal (state hash: O(weights), once)."""
+        assert self.store is not None
+        weights = self.store.get(v)
+        wire = self.store.seal(v)
+        if self.verifier.authenticates:
+            if wire is None:
+                raise AuthError(f"version {v} in {self.store.root} was stored without a seal")
+            seal = self.verifier.open(wire)
+            if seal.v != v or seal.digest != weights.digest() or seal.layout != weights_layout(weights):
+                raise AuthError(f"version {v}'s stored seal does not describe the stored weights")
+            if state_hash(weights) != seal.state:
+                raise AuthError(f"version {v} in {self.store.root} does not hash to its sealed state")
+        return weights, wire
 
     def ref(self, actor: str) -> ActorRef | None:
         assert self.sup is not None
@@ -267,40 +355,47 @@ class Node:
         except KeyError:
             return None
 
-    def report(self) -> dict[str, Any]:
-        """This node's ``status`` report (see `aurora.actors.status`)."""
-        r: dict[str, Any] = {"version": self.flow.version, "parent": self.place.path[-1] if self.place.path else None,
-                             "bytes_in": self.flow.bytes_in}  # fmt: skip
+    def report(self) -> NodeReport:
+        """This node's `Status` report (see `aurora.actors.status`)."""
+        parent = self.place.path[-1] if self.place.path else None
+        r = NodeReport(version=self.flow.version, parent=parent, planned=parent is None or parent == self.place.planned,
+                       bytes_in=self.flow.bytes_in)  # fmt: skip
         if self.engine is not None:
             w = self.worker_stats
-            r |= {"completions": w.completions, "accepted": w.accepted, "rejected": w.rejected,
-                  "tok_s": w.tokens / w.generate_s if w.generate_s else 0.0, "switches": w.switches,
-                  "switch_ms": 1e3 * w.switch_s / w.switches if w.switches else 0.0}  # fmt: skip
+            r = msgspec.structs.replace(r, completions=w.completions, accepted=w.accepted, rejected=w.rejected,
+                        tok_s=w.tokens / w.generate_s if w.generate_s else 0.0, switches=w.switches,
+                        switch_ms=1e3 * w.switch_s / w.switches if w.switches else 0.0)  # fmt: skip
         return r
 
-    def on_status_message(self, header: Mapping[str, Any]) -> None:
-        """Trainer: a ``held`` notice or a ``status`` report from a node below."""
-        if header["k"] == "held":
-            dt = self.status.on_held(str(header["n"]), int(header["v"]))
+    def on_status_message(self, m: Held | Status) -> None:
+        """Trainer: a `Held` notice or a `Status` report from a node below."""
+        if isinstance(m, Held):
+            dt = self.status.on_held(m.n, m.v)
             if dt is not None:
-                log.info("version_synced", version=int(header["v"]), sync_s=round(dt, 4))
+                log.info("version_synced", version=m.v, sync_s=round(dt, 4))
         else:
-            self.status.on_report(str(header["n"]), dict(header["r"]))
+            self.status.on_report(m.n, m.r)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> StatusSnapshot:
         assert self.pool is not None
-        return self.status.snapshot({"version": self.flow.version, **self.pool.stats()})
+        return StatusSnapshot(snap=self.status.snapshot(self.flow.version, self.pool.stats()))
 
-    async def up(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
-        return await send_or_drop(self.place.parent, header, buffers)
+    def speaks_for(self, child: str, origin: str) -> bool:
+        """May ``child`` send messages on behalf of node ``origin``? A rollout only for itself, a relay
+        for the nodes that may be below it."""
+        return origin == child or (self.role.get(child) == "relay" and origin in self.below.get(child, ()))
 
-    async def down(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> bool:
-        child = self.routes.child_for(str(header["w"]))
-        return await send_or_drop(None if child is None else self.place.children.get(child), header, buffers)
+    async def up(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
+        return await send_or_drop(self.place.parent, msg, buffers)
+
+    async def down(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
+        worker = getattr(msg, "w", None)
+        child = None if worker is None else self.routes.child_for(worker)
+        return await send_or_drop(None if child is None else self.place.children.get(child), msg, buffers)
 
 
 class _Publisher(Actor):
-    """The trainer's learner loop: take a batch, step, publish (stored before its last chunk leaves).
+    """The trainer's learner loop: take a batch, step, publish (stored before its seal leaves).
 
     The learner's next step overlaps the last one's publication: while version ``v`` is encoded
     and sent, the learner already takes its batch at ``v`` (the weights it holds) and trains
@@ -317,11 +412,17 @@ class _Publisher(Actor):
         assert pool is not None
         steps = node.topo.run.steps
         learned = node.flow.version or 0  # the learner's weights: published, or being published
-        publishing: asyncio.Future[None] | None = None
-        try:
+        with unwrap_group():
+            await self._steps(learner, pool, steps, learned)
+        log.info("steps_done", steps=steps, version=node.flow.version)
+
+    async def _steps(self, learner: Learner, pool: WorkPool, steps: int, learned: int) -> None:
+        node = self.node
+        async with asyncio.TaskGroup() as tg:
+            publishing: asyncio.Task[None] | None = None
             while learned < steps:
                 if learner.batch_size:
-                    batch = await pool.take(learner.batch_size, learned)
+                    batch = await node.board.take(pool, learner.batch_size, learned)
                 else:
                     await asyncio.sleep(learner.interval_s)
                     batch = []
@@ -334,24 +435,20 @@ class _Publisher(Actor):
                 if publishing is not None:
                     await publishing
                 learned += 1
-                publishing = asyncio.ensure_future(self._publish(new, len(batch), dict(learner.stats)))
-            if publishing is not None:
-                await publishing
-        finally:
-            if publishing is not None and not publishing.done():
-                publishing.cancel()
-        log.info("steps_done", steps=steps, version=node.flow.version)
+                publishing = tg.create_task(self._publish(new, len(batch), dict(learner.stats)))
 
     async def _publish(self, new: Weights, results: int, stats: dict[str, Any]) -> None:
         node, pool = self.node, self.node.pool
         assert pool is not None
         node.status.on_published((node.flow.version or 0) + 1, time.monotonic())
         if node.topo.sync.deliver:
-            v = await node.flow.publish(new)  # stored before its last chunk leaves
+            v = await node.flow.publish(new)  # stored before its seal leaves
         else:
             v = await node.flow.adopt(new)
+        board = node.board
+        checks = {"validate_us": round(1e6 * board.validate_s / board.results, 2) if board.results else None}
         node.status.step = {"version": v, **stats, **node.flow.last_published}
-        log.info("step", version=v, results=results, **stats, **pool.stats())
+        log.info("step", version=v, results=results, **stats, **pool.stats(), **checks)
 
 
 class _Reporter(Actor):
@@ -362,40 +459,41 @@ class _Reporter(Actor):
 
     async def main(self) -> None:
         while True:
-            await self.node.up({"k": "status", "n": self.node.name, "r": self.node.report()}, ())
+            await self.node.up(Status(n=self.node.name, r=self.node.report()), ())
             await asyncio.sleep(STATUS_EVERY_S)
 
 
 class _Children(Actor):
-    """Accepts child connections and serves each in its own task."""
+    """Accepts child connections and serves each in its own task; closes them all when it stops
+    (so that children notice a restart of this actor and attach again)."""
 
     def __init__(self, node: Node, zt: NodeTransport) -> None:
         self.node = node
         self.zt = zt
+        self.open: set[Channel] = set()
 
     async def main(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            if self.node.rtc is not None:
-                tg.create_task(self._accept(self.node.rtc, tg))
-            await self._accept(self.zt, tg)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                if self.node.rtc is not None:
+                    tg.create_task(self._accept(self.node.rtc, tg))
+                await self._accept(self.zt, tg)
+        finally:
+            for ch in list(self.open):
+                with contextlib.suppress(TransportClosed):
+                    await ch.close("the parent's children actor restarted")
 
     async def _accept(self, t: Transport, tg: asyncio.TaskGroup) -> None:
         while True:
             ch = await t.accept()
-            tg.create_task(_child(self.node, ch))
+            tg.create_task(self._serve(ch))
 
-
-class _Uplink(Actor):
-    """Keeps this node attached to the first parent in its order that accepts it."""
-
-    def __init__(self, node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
-        self.node = node
-        self.zt = zt
-        self.order = order
-        self.lost_after_s = lost_after_s
-
-    async def main(self) -> None:
-        await _follow_parents(self.node, self.zt, self.order, self.lost_after_s)
+    async def _serve(self, ch: Channel) -> None:
+        self.open.add(ch)
+        try:
+            await _child(self.node, ch)
+        finally:
+            self.open.discard(ch)
 
 
 @dataclass
@@ -411,6 +509,8 @@ class Place:
     children: dict[str, Channel] = field(default_factory=dict)
     parent: Channel | None = None
     """The channel to the parent while attached."""
+    planned: str | None = None
+    """The planned parent (None: the trainer)."""
 
     def below(self) -> list[str]:
         assert self.path is not None
@@ -421,79 +521,136 @@ class Place:
         if path is not None:
             for ch in list(self.children.values()):
                 with contextlib.suppress(TransportClosed):
-                    await ch.send({"k": "path", "path": self.below()})
+                    await ch.send(PathUpdate(path=self.below()))
 
 
 async def _child(node: Node, ch: Channel) -> None:
-    flow, place = node.flow, node.place
+    """Serve one child channel. Whatever goes wrong here closes this channel and no other."""
     try:
-        hello = await ch.recv()
-        if hello.header.get("k") == "status?" and node.pool is not None:
-            await ch.send({"k": "status", "snap": node.snapshot()})
-            await ch.close("status sent")
-            return
-        if hello.header.get("k") == "signal" and node.rtc is not None:
-            await _signalling(node.rtc, ch)
-            return
-        if hello.header.get("k") != "version":
-            log.warning("bad_hello", child=ch.peer, header=dict(hello.header))
-            await ch.close("expected a version hello")
-            return
-        if place.path is None or ch.peer in place.path:
-            why = "not attached to the tree" if place.path is None else "it is an ancestor of this node"
-            log.info("child_refused", child=ch.peer, reason=why)
-            await ch.send({"k": "refused", "reason": why})
-            return
-        v = hello.header.get("v")
-        await ch.send({"k": "path", "path": place.below()})
-        place.children[ch.peer] = ch
-        log.info("child_attached", child=ch.peer, version=v)
-        await flow.add_child(ch, None if v is None else int(v))
-        coordinator = node.ref("coordinator")
-        while True:
-            msg = await ch.recv()
-            k = msg.header.get("k")
-            if k == "version":
-                await flow.on_child_message(ch.peer, msg)
-            elif k in ("held", "status"):
-                if node.pool is not None:
-                    node.on_status_message(msg.header)
-                else:
-                    await node.up(msg.header, ())
-            elif k in UP:
-                node.routes.learn(str(msg.header["w"]), ch.peer)
-                if coordinator is not None:
-                    await tell_or_drop(coordinator, msg)
-                else:
-                    await node.up(msg.header, tuple(msg.buffers))
+        await _serve_child(node, ch)
     except TransportClosed as e:
         log.info("child_detached", child=ch.peer, reason=str(e))
+    except Exception as e:  # noqa: BLE001  (isolation: one child's trouble is never the node's)
+        log.error("child_failed", child=ch.peer, error=repr(e)[:500])
+        with contextlib.suppress(TransportClosed):
+            await ch.close(f"failed while serving this child: {type(e).__name__}")
     finally:
-        if flow.children.get(ch.peer) is ch:
-            flow.remove_child(ch.peer)
-        if place.children.get(ch.peer) is ch:
-            del place.children[ch.peer]
+        if node.flow.children.get(ch.peer) is ch:
+            node.flow.remove_child(ch.peer)
+        if node.place.children.get(ch.peer) is ch:
+            del node.place.children[ch.peer]
+
+
+async def _serve_child(node: Node, ch: Channel) -> None:
+    flow, place = node.flow, node.place
+    hello = (await ch.recv()).msg
+    if isinstance(hello, StatusQuery):
+        if node.pool is None or (node.keys.secure and ch.peer != OPERATOR and ch.peer not in node.role):
+            await ch.close("no status here")
+            return
+        await ch.send(node.snapshot())
+        await ch.close("status sent")
+        return
+    if isinstance(hello, SignalHello) and node.rtc is not None and ch.peer in node.children_allowed:
+        await _signalling(node.rtc, ch)
+        return
+    if not isinstance(hello, Hello):
+        log.warning("bad_hello", child=ch.peer, kind=type(hello).__name__)
+        await ch.close("expected a hello")
+        return
+    why = None
+    if ch.peer not in node.children_allowed:
+        why = f"the topology does not let {ch.peer!r} attach to {node.name!r}"
+    elif place.path is None:
+        why = "not attached to the tree"
+    elif ch.peer in place.path:
+        why = "it is an ancestor of this node"
+    if why is not None:
+        log.info("child_refused", child=ch.peer, reason=why, probe=hello.probe)
+        await ch.send(Refused(reason=why))
+        return
+    await ch.send(PathUpdate(path=place.below()))
+    if hello.probe:
+        await ch.close("probe answered")
+        return
+    place.children[ch.peer] = ch
+    log.info("child_attached", child=ch.peer, version=hello.v)
+    await flow.add_child(ch, hello.v)
+    coordinator = node.ref("coordinator")
+    while True:
+        msg = await ch.recv()
+        m = msg.msg
+        if isinstance(m, Have):
+            await flow.on_child_version(ch.peer, m.v)
+        elif isinstance(m, Held | Status):
+            if not node.speaks_for(ch.peer, m.n):
+                ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.n!r}, which it does not speak for")
+            elif node.pool is not None:
+                node.on_status_message(m)
+            else:
+                await node.up(m, ())
+        elif isinstance(m, UP):
+            if not node.speaks_for(ch.peer, m.w) or node.role.get(m.w) != "rollout":
+                ch.fault(f"{ch.peer!r} sent {type(m).__name__} for worker {m.w!r}, which it does not speak for")
+                continue
+            node.routes.learn(m.w, ch.peer)
+            if coordinator is not None:
+                await tell_or_drop(coordinator, msg)
+            else:
+                await node.up(m, tuple(msg.buffers))
+        else:
+            ch.fault(f"a {type(m).__name__} from a child")
+
+
+class _Uplink(Actor):
+    """Keeps this node attached to the first parent in its order that accepts it."""
+
+    def __init__(self, node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
+        self.node = node
+        self.zt = zt
+        self.order = order
+        self.lost_after_s = lost_after_s
+
+    async def main(self) -> None:
+        await _follow_parents(self.node, self.zt, self.order, self.lost_after_s)
+
+
+class _Return(Exception):
+    """The planned parent has been healthy long enough: leave the fallback for it."""
 
 
 async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
-    """Stay attached to the first parent in ``order`` that accepts, moving on when one is lost."""
+    """Stay attached to the first parent in ``order`` that accepts, moving on when one is lost;
+    at start keep trying the planned parent for `PLANNED_PATIENCE_S`; from a fallback, go back to
+    the planned parent once it has been healthy for a while."""
+    planned = order[0]
+    patient_until = time.monotonic() + PLANNED_PATIENCE_S
+    attached_once = False
     i = 0
     while True:
         parent = order[i]
-        await _stay_with(node, zt, parent, lost_after_s)
+        attached = await _stay_with(node, zt, parent, lost_after_s)
+        attached_once = attached_once or bool(attached)
+        node.flow.parent_lost()
         await node.place.moved(None)
         await zt.disconnect(parent)
-        i = (i + 1) % len(order)
+        if attached == "return":
+            i = 0
+        elif parent == planned and not attached_once and time.monotonic() < patient_until:
+            pass  # still starting: keep at the planned parent a while before any fallback
+        else:
+            i = (i + 1) % len(order)
         await asyncio.sleep(RETRY_PAUSE_S)
 
 
-async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: float) -> None:
+async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: float) -> bool | str:
     """Dial ``parent`` and follow its stream until it is unreachable, refuses, is lost or fails;
-    logs which."""
+    logs which. Returns whether it attached (``"return"``: it left a fallback for the planned parent)."""
     flow, place = node.flow, node.place
     addr = node.topo.node(parent).listen
     assert addr is not None  # checked when the topology was loaded
     signalling: asyncio.Future[None] | None = None
+    attached = False
     try:
         if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
             ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr)
@@ -501,27 +658,88 @@ async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: f
             ch = await zt.connect(parent, addr)
     except TransportClosed as e:
         log.warning("parent_unreachable", parent=parent, reason=str(e))
-        return
+        return False
     try:
         async with asyncio.timeout(lost_after_s):
-            await ch.send({"k": "version", "v": flow.version})  # waits until the parent is heard
-            answer = (await ch.recv()).header
-        if answer.get("k") == "path" and place.name not in answer.get("path", []):
-            await place.moved(list(answer["path"]))
+            await ch.send(Hello(v=flow.version))  # waits until the parent is heard
+            answer = (await ch.recv()).msg
+        if isinstance(answer, PathUpdate) and place.name not in answer.path:
+            await place.moved(list(answer.path))
             place.parent = ch
-            log.info("parent_attached", parent=parent, version=flow.version, path=place.path)
-            await _from_parent(node, ch)
+            attached = True
+            log.info("parent_attached", parent=parent, version=flow.version, path=place.path,
+                     planned=parent == place.planned)  # fmt: skip
+            await _attached(node, zt, ch, parent, lost_after_s)
         else:
-            log.info("parent_refused", parent=parent, reason=answer.get("reason", "a cycle"))
+            log.info("parent_refused", parent=parent,
+                     reason=answer.reason if isinstance(answer, Refused) else f"a cycle, or {type(answer).__name__}")  # fmt: skip
+    except _Return:
+        log.info("parent_return", parent=parent, to=place.planned,
+                 reason="the planned parent has been healthy long enough")  # fmt: skip
+        with contextlib.suppress(TransportClosed):
+            await ch.close("returning to the planned parent")
+        return "return"
     except (TransportClosed, TimeoutError, _Cycle) as e:
         log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
-    except (ProtocolError, DeltaFormatError) as e:  # a corrupt or out-of-order stream: try the next parent
-        log.error("parent_failed", parent=parent, error=str(e))
+    except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
+        log.error("parent_failed", parent=parent, error=repr(e)[:500])
+        with contextlib.suppress(TransportClosed):
+            await ch.close(f"leaving this parent: {type(e).__name__}")
     finally:
         place.parent = None
         if signalling is not None:
             signalling.cancel()
-            await ch.close("leaving this parent")
+            with contextlib.suppress(TransportClosed):
+                await ch.close("leaving this parent")
+    return attached
+
+
+async def _attached(node: Node, zt: NodeTransport, ch: Channel, parent: str, lost_after_s: float) -> None:
+    """Follow the parent's stream; on a fallback parent, watch the planned one beside it. Raises
+    what ended it (`_Return` when the planned parent is back)."""
+    if node.place.planned is None or parent == node.place.planned:
+        await _from_parent(node, ch)
+        return
+    with unwrap_group():
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_watch_planned(node, zt, lost_after_s))
+            await _from_parent(node, ch)
+
+
+async def _watch_planned(node: Node, zt: NodeTransport, lost_after_s: float) -> None:
+    """On a fallback parent: probe the planned one every ``lost_after_s``; raise `_Return` once it has
+    accepted every probe for ``return_after_s`` = 5 × ``lost_after_s`` (any failed probe starts over)."""
+    planned = node.place.planned
+    assert planned is not None
+    addr = node.topo.node(planned).listen
+    assert addr is not None
+    return_after_s = 5 * lost_after_s
+    healthy_since: float | None = None
+    while True:
+        await asyncio.sleep(lost_after_s)
+        ok = await _probe(node, zt, planned, addr, lost_after_s)
+        now = time.monotonic()
+        if not ok:
+            healthy_since = None
+        elif healthy_since is None:
+            healthy_since = now
+        elif now - healthy_since >= return_after_s:
+            raise _Return
+
+
+async def _probe(node: Node, zt: NodeTransport, parent: str, addr: str, timeout_s: float) -> bool:
+    """Would ``parent`` take this node now (a `Hello` probe: answered, then closed)?"""
+    try:
+        ch = await zt.connect(parent, addr)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await ch.send(Hello(v=node.flow.version, probe=True))
+                answer = (await ch.recv()).msg
+            return isinstance(answer, PathUpdate) and node.name not in answer.path
+        finally:
+            await zt.disconnect(parent)
+    except (TransportClosed, TimeoutError, AuroraError):
+        return False
 
 
 def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
@@ -549,8 +767,8 @@ async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str,
     """A WebRTC channel to ``parent``, signalled over a ZeroMQ channel to the parent (the rendezvous).
     Returns the channel and the signalling loop (cancel it on leaving the parent)."""
     sig = await zt.connect(parent, addr)
-    await sig.send({"k": "signal"})
-    loop = asyncio.ensure_future(rtc.serve_signalling(sig))
+    await sig.send(SignalHello())
+    loop = asyncio.ensure_future(rtc.serve_signalling(sig, stamp=True))
     try:
         ch = await rtc.connect_via(parent, sig)
     except BaseException:
@@ -564,10 +782,7 @@ async def _signalling(rtc: WebRtcTransport, ch: Channel) -> None:
     """Answer a child's WebRTC offers on its signalling channel; ``from`` is the channel's own peer,
     so a child cannot speak for another."""
     log.info("signalling_for", child=ch.peer)
-    with contextlib.suppress(TransportClosed):
-        while True:
-            h = (await ch.recv()).header
-            rtc.on_signal({**h, "from": ch.peer}, ch)
+    await rtc.serve_signalling(ch, stamp=True)
 
 
 class _Cycle(Exception):
@@ -579,19 +794,27 @@ async def _from_parent(node: Node, ch: Channel) -> None:
     worker = node.ref("worker")
     while True:
         msg = await ch.recv()
-        k = msg.header.get("k")
-        if k == "path":
-            path = list(msg.header["path"])
-            if place.name in path:
-                raise _Cycle(f"the parent's path {' -> '.join(path)} runs through this node")
-            await place.moved(path)
-        elif k in DOWN:
-            if worker is not None:
+        m = msg.msg
+        if isinstance(m, PathUpdate):
+            if place.name in m.path:
+                raise _Cycle(f"the parent's path {' -> '.join(m.path)} runs through this node")
+            await place.moved(list(m.path))
+        elif isinstance(m, DOWN):
+            if worker is not None and m.w == node.name:
                 await tell_or_drop(worker, msg)
+            elif m.w in node.routes.via:
+                await node.down(m, tuple(msg.buffers))
             else:
-                await node.down(msg.header, tuple(msg.buffers))
-        else:
+                ch.fault(f"a {type(m).__name__} for {m.w!r}, which is not below this node")
+        elif isinstance(m, DeltaManifest | DeltaChunk | DeltaSeal):
             v = await flow.on_parent_message(msg)
             if v is not None:
-                await ch.send({"k": "version", "v": v})
-                await ch.send({"k": "held", "n": node.name, "v": v})
+                await ch.send(Have(v=v))
+                await ch.send(Held(n=node.name, v=v))
+        elif isinstance(m, Signal):
+            ch.fault("signalling on a version stream")
+        else:
+            ch.fault(f"a {type(m).__name__} from the parent")
+
+
+__all__ = ["Node", "Place", "run_node"]

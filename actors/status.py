@@ -1,15 +1,19 @@
 """Cluster status: what every node reports up the tree, gathered at the trainer.
 
-Every node sends its parent a ``status`` message about once a second (its
-version, parent, bytes received, and a rollout's work counters); relays forward
-these upward unchanged, like ``held`` notices, which a node sends the moment it
-commits a version. The trainer keeps the latest report of each node and, per
-version, the time from publication to the last ``held`` notice: the sync time
-(it includes the notice's trip back up, so it slightly overstates the true one).
+Every node sends its parent a `Status` message about once a second (its
+version, parent, whether that is its planned parent, bytes received, and a
+rollout's work counters); relays forward these upward unchanged, like `Held`
+notices, which a node sends the moment it commits a version. The trainer keeps
+the latest report of each node of the topology (nothing for names it does not
+know: memory is bounded by the topology) and, per version, the time from
+publication to the last `Held` notice: the sync time (it includes the notice's
+trip back up, so it slightly overstates the true one).
 
 A client reads the gathered status over the control channel: it connects to
-the trainer like a child would, but its hello is ``{"k": "status?"}``, and it
-gets one ``status`` answer (`snapshot`) before the trainer closes the channel.
+the trainer like a child would, but its hello is `StatusQuery`, and it gets one
+`StatusSnapshot` before the trainer closes the channel. With keys, the client
+authenticates with the ``operator`` key of the topology's key directory (or
+another node's key).
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aurora.transport.zmq import LinkConfig, ZmqTransport
 
 from aurora.config.topology import Topology
 from aurora.errors import AuroraError, TransportClosed
+from aurora.protocol.messages import NodeReport, Snapshot, StatusQuery, StatusSnapshot, TrainerStats
+from aurora.runtime.groups import unwrap_group
 
 STATUS_EVERY_S = 1.0
 KEEP_VERSIONS = 64
@@ -34,7 +41,9 @@ KEEP_VERSIONS = 64
 class ClusterStatus:
     nodes: list[str]
     """Every node of the topology except the trainer."""
-    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    planned: dict[str, str] = field(default_factory=dict)
+    """Each node's planned parent."""
+    reports: dict[str, tuple[NodeReport, float]] = field(default_factory=dict)
     published: OrderedDict[int, float] = field(default_factory=OrderedDict)
     held: dict[int, set[str]] = field(default_factory=dict)
     sync_s: OrderedDict[int, float] = field(default_factory=OrderedDict)
@@ -51,7 +60,7 @@ class ClusterStatus:
     def on_held(self, node: str, version: int, now: float | None = None) -> float | None:
         """Record a commit notice; returns the version's sync time once the last node holds it."""
         got = self.held.get(version)
-        if got is None or version in self.sync_s:
+        if got is None or version in self.sync_s or node not in self.nodes:
             return None
         got.add(node)
         if not set(self.nodes) <= got:
@@ -62,76 +71,79 @@ class ClusterStatus:
             self.sync_s.popitem(last=False)
         return dt
 
-    def on_report(self, node: str, report: dict[str, Any]) -> None:
-        self.reports[node] = {**report, "age_s": 0.0, "_at": time.monotonic()}
+    def on_report(self, node: str, report: NodeReport) -> None:
+        if node in self.nodes:
+            self.reports[node] = (report, time.monotonic())
 
-    def snapshot(self, trainer: dict[str, Any]) -> dict[str, Any]:
+    def snapshot(self, version: int | None, pool: dict[str, Any]) -> Snapshot:
         now = time.monotonic()
-        nodes = {n: {k: v for k, v in r.items() if k != "_at"} | {"age_s": round(now - r["_at"], 1)}
-                 for n, r in self.reports.items()}  # fmt: skip
-        return {"trainer": trainer, "nodes": nodes, "sync_s": {str(v): round(s, 4) for v, s in self.sync_s.items()},
-                "step": self.step}  # fmt: skip
+        nodes = {n: msgspec.structs.replace(r, age_s=round(now - at, 1)) for n, (r, at) in self.reports.items()}
+        step = {k: v for k, v in self.step.items() if v is None or isinstance(v, bool | int | float | str)}
+        return Snapshot(trainer=TrainerStats(version=version, **pool), nodes=nodes,
+                        sync_s={str(v): round(s, 4) for v, s in self.sync_s.items()}, step=step,
+                        planned=self.planned)  # fmt: skip
 
 
-def render(snap: dict[str, Any]) -> str:
+def render(snap: Snapshot) -> str:
     """One screenful: the trainer's line, then one line per node."""
-    t = snap["trainer"]
-    syncs = list(snap["sync_s"].values())
-    rej = sum(t.get("rejected", {}).values())
-    head = (f"trainer v{t['version']}  results accepted {t['accepted']} rejected {rej} "
-            f"(leased {t['in_flight']}, pooled {t['pending']})")  # fmt: skip
+    t = snap.trainer
+    syncs = list(snap.sync_s.values())
+    rej = sum(t.rejected.values())
+    head = (f"trainer v{t.version}  results accepted {t.accepted} rejected {rej} "
+            f"(leased {t.in_flight}, pooled {t.pending})")  # fmt: skip
     if syncs:
         head += f"  sync last {syncs[-1] * 1e3:.0f} ms, mean {sum(syncs) / len(syncs) * 1e3:.0f} ms"
     lines = [head]
-    step = snap.get("step") or {}
-    if step.get("reward") is not None:
-        tok = sum(r.get("tok_s", 0.0) for r in snap["nodes"].values())
-        lines.append(f"learner step {step['version']}  reward {step['reward']:.3f}  accuracy {step['accuracy']:.3f}  "
-                     f"delta {step.get('bytes', 0) / 1e3:.1f} kB ({100 * (step.get('density') or 0):.2f} % changed)  "
-                     f"rollouts {tok:.0f} tok/s")  # fmt: skip
-    for name, r in sorted(snap["nodes"].items()):
-        parts = [f"{name:<12} v{'-' if r.get('version') is None else r['version']:<4} via {r.get('parent') or '-':<10}",
-                 f"in {r.get('bytes_in', 0) / 1e6:7.2f} MB"]  # fmt: skip
-        if "completions" in r:
-            parts.append(f"done {r['completions']} ok {r['accepted']} rejected {r['rejected']} "
-                         f"{r['tok_s']:.0f} tok/s, switches {r['switches']} ({r['switch_ms']:.1f} ms avg)")  # fmt: skip
-        if r["age_s"] > 3 * STATUS_EVERY_S:
-            parts.append(f"(silent {r['age_s']:.0f} s)")
+    step = snap.step
+    if isinstance(step.get("reward"), int | float):
+        tok = sum(r.tok_s or 0.0 for r in snap.nodes.values())
+        size = step.get("bytes") if isinstance(step.get("bytes"), int) else 0
+        dens = step.get("density") if isinstance(step.get("density"), int | float) else 0.0
+        lines.append(f"learner step {step.get('version')}  reward {step['reward']:.3f}  "
+                     f"accuracy {step.get('accuracy') or 0:.3f}  delta {size / 1e3:.1f} kB "  # type: ignore[operator]
+                     f"({100 * dens:.2f} % changed)  rollouts {tok:.0f} tok/s")  # type: ignore[operator]  # fmt: skip
+    for name, r in sorted(snap.nodes.items()):
+        via = r.parent or "-"
+        if r.parent is not None and not r.planned:
+            via += f" (planned {snap.planned.get(name, '?')})"
+        parts = [f"{name:<12} v{'-' if r.version is None else r.version:<4} via {via:<10}",
+                 f"in {r.bytes_in / 1e6:7.2f} MB"]  # fmt: skip
+        if r.completions is not None:
+            parts.append(f"done {r.completions} ok {r.accepted} rejected {r.rejected} "
+                         f"{r.tok_s or 0:.0f} tok/s, switches {r.switches} ({r.switch_ms or 0:.1f} ms avg)")  # fmt: skip
+        if r.age_s > 3 * STATUS_EVERY_S:
+            parts.append(f"(silent {r.age_s:.0f} s)")
         lines.append("  ".join(parts))
     return "\n".join(lines)
 
 
 async def fetch_status(topo: Topology, timeout_s: float = 5.0, *, file: str | None = None,
-                       as_node: str | None = None) -> dict[str, Any]:  # fmt: skip
+                       as_node: str | None = None) -> Snapshot:  # fmt: skip
     """Ask the trainer of ``topo`` for the gathered status over the control channel.
 
-    With CurveZMQ keys in the topology the client authenticates with node ``as_node``'s key
-    pair (default: the trainer's own, as on the trainer's machine)."""
-    from aurora.actors.node import curve_options
+    With keys in the topology the client authenticates with the key pair named ``as_node``
+    (default: the key directory's ``operator`` key, else the trainer's own)."""
+    from aurora.auth.keys import load_client_keys
 
     t = topo.trainer
     if t.listen is None:
         raise AuroraError(f"the trainer {t.name!r} has no listen address to ask for status")
     hb = topo.heartbeat
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
-    curve = curve_options(topo, as_node or t.name, file)
-    if curve:
-        curve = {"curve": curve["curve"], "server_keys": {t.name: curve["server_keys"][t.name]}}
-    zt = ZmqTransport(f"status-{os.getpid()}-{time.monotonic_ns()}", cfg=cfg, **curve)
-    try:
+    keys, me = load_client_keys(topo, file, as_node)
+    zt = ZmqTransport(me or f"status-{os.getpid()}-{time.monotonic_ns()}", cfg=cfg, keys=keys)
+    with unwrap_group():
         async with asyncio.TaskGroup() as tg:
             zt.start_in(tg)
             try:
                 async with asyncio.timeout(timeout_s):
                     ch = await zt.connect(t.name, t.listen)
-                    await ch.send({"k": "status?"})
-                    answer = (await ch.recv()).header
+                    await ch.send(StatusQuery())
+                    answer = (await ch.recv()).msg
             except (TimeoutError, TransportClosed) as e:
                 raise AuroraError(f"no status from the trainer {t.name!r} at {t.listen}: {e or 'timed out'}") from None
             finally:
                 await zt.close()
-    except BaseExceptionGroup as eg:
-        raise eg.exceptions[0] from None
-    if answer.get("k") != "status":
-        raise AuroraError(f"the trainer {t.name!r} answered {answer.get('k')!r}, not a status")
-    return dict(answer["snap"])
+    if not isinstance(answer, StatusSnapshot):
+        raise AuroraError(f"the trainer {t.name!r} answered {type(answer).__name__}, not a status")
+    return answer.snap

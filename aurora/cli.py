@@ -511,15 +511,11 @@ COMMANDS = {
 }
 
 
-def _first_error(eg: BaseExceptionGroup[AuroraError]) -> AuroraError:
-    first = eg.exceptions[0]
-    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from aurora.logs import configure
+    from aurora.runtime.groups import first_error
 
     # run, status and bench rl show a display; their own connections' info logs would only clutter it
     shows = args.cmd in ("run", "status") or (args.cmd, getattr(args, "bench_cmd", None)) == ("bench", "rl")
@@ -530,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return COMMANDS[(args.cmd, sub)](args)
         except* AuroraError as eg:  # also from inside a task group: report the first one
-            raise _first_error(eg) from None
+            raise first_error(eg) from None
     except AuroraError as e:
         print(f"aurora: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -42,6 +42,14 @@ class ProtocolError(AuroraError):
         super().__init__(message)
 
 
+class LearnerError(AuroraError):
+    """The learner cannot make a version (it would hold non-finite values)."""
+
+
+class AuthError(AuroraError):
+    """A signature, seal or key does not verify, or a peer is not who it must be."""
+
+
 class TransportClosed(AuroraError):
     """The channel or transport was closed; carries the reason."""
 

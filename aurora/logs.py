@@ -72,3 +72,26 @@ def read_events(log: Path) -> list[dict[str, Any]]:
 def event_time(e: Mapping[str, Any]) -> float:
     """An event's timestamp (ISO 8601, UTC, as `configure` writes it) as seconds since the epoch."""
     return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+class Throttle:
+    """At most one log line per key every ``every_s`` seconds, each saying how many were suppressed.
+
+    For what peers can make happen at any rate (malformed messages): the log stays readable and
+    bounded. Keys are forgotten oldest first past ``max_keys``, so memory is bounded too."""
+
+    def __init__(self, every_s: float = 5.0, max_keys: int = 1024) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def allow(self, key: str, now: float) -> int | None:
+        """None: stay quiet; else log now, with this many events suppressed since the last line."""
+        last, suppressed = self._last.pop(key, (None, 0))
+        if last is not None and now - last < self.every_s:
+            self._last[key] = (last, suppressed + 1)
+            return None
+        self._last[key] = (now, 0)
+        while len(self._last) > self.max_keys:
+            del self._last[next(iter(self._last))]
+        return suppressed

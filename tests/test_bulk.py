@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from structlog.testing import capture_logs
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.protocol.bulk import BulkAssembly, BulkOffer, frame_digest, payload_digest, to_ranges
+from aurora.protocol.messages import AppMessage, BulkFrame
 from aurora.testing.memory import MemoryChannel, memory_channel_pair
 
 
@@ -89,8 +89,8 @@ class FlakyChannel:
     def close_reason(self) -> str | None:
         return self.inner.close_reason
 
-    async def send(self, header: Mapping[str, Any], *buffers: bytes | memoryview) -> None:
-        if header.get("k") == "bulk_frame":
+    async def send(self, header: AppMessage, *buffers: bytes | memoryview) -> None:
+        if isinstance(header, BulkFrame):
             if self.die_after is not None and self.frames >= self.die_after:
                 await self.inner.close("link cut")
                 raise TransportClosed("link cut")
@@ -106,6 +106,9 @@ class FlakyChannel:
 
     async def close(self, reason: str = "closed") -> None:
         await self.inner.close(reason)
+
+    def fault(self, reason: str) -> None:
+        self.inner.fault(reason)
 
 
 def _pairs(n: int, **flaky: Any) -> tuple[list[FlakyChannel], list[MemoryChannel]]:

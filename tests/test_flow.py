@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from aurora.codec import Weights
 from aurora.errors import TransportClosed
+from aurora.protocol.messages import Have
 from aurora.testing.memory import memory_channel_pair
 from tests.helpers import perturb
 
@@ -32,14 +33,16 @@ async def _follow(flow: VersionFlow, up: Channel) -> None:
         while True:
             v = await flow.on_parent_message(await up.recv())
             if v is not None:
-                await up.send({"k": "version", "v": v})
+                await up.send(Have(v=v))
 
 
 async def _listen(flow: VersionFlow, down: Channel) -> None:
     """A parent's loop for one child: take its version reports."""
     with contextlib.suppress(TransportClosed):
         while True:
-            await flow.on_child_message(down.peer, await down.recv())
+            m = (await down.recv()).msg
+            assert isinstance(m, Have)
+            await flow.on_child_version(down.peer, m.v)
 
 
 class Tree:

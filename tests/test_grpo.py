@@ -80,7 +80,7 @@ def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() ->
         vals = []
         for p, c in batch:
             for s in c.samples:
-                if TASK.score(p.answer, s.text).correct is correct:
+                if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct:
                     ids = torch.tensor([c.prompt_tokens + s.tokens])
                     with torch.no_grad():
                         lp = learner._logp(learner.model, ids, torch.ones_like(ids))

@@ -102,8 +102,8 @@ class LeaseCluster(RuleBasedStateMachine):
     @invariant()
     def accepted_only_under_current_unexpired_lease(self) -> None:
         log = self.coord.log
-        latest: dict[Any, int] = {}
-        expiry: dict[int, float] = {}
+        latest: dict[Any, bytes] = {}
+        expiry: dict[bytes, float] = {}
         events = sorted([(t, 0, lease) for t, lease in log.granted] + [(t, 1, lease) for t, lease in log.renewed],
                         key=lambda e: (e[0], e[1]))  # fmt: skip
         seen: set[Any] = set()
@@ -112,7 +112,7 @@ class LeaseCluster(RuleBasedStateMachine):
             for t, _kind, g in events:
                 if t > acc.at:
                     break
-                latest[g.item] = max(latest.get(g.item, 0), g.token)
+                latest[g.item] = max(latest.get(g.item, bytes(16)), g.token)  # the sim's counter tokens sort
                 expiry[g.token] = g.expires_at
             assert lease.token == latest[lease.item], "accepted a fenced lease"
             assert acc.at < expiry[lease.token], "accepted an expired lease"

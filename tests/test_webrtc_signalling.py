@@ -7,25 +7,28 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
-from aurora.transport.webrtc import RtcConfig, WebRtcTransport, relay_signal
+from aurora.transport.webrtc import RtcConfig, WebRtcTransport, relay_signal, sdp_fingerprints
 from structlog.testing import capture_logs
 
 from aurora.errors import ProtocolError, TransportClosed
+from aurora.protocol.messages import Probe, RtcAnswer, RtcOffer, RtcRefused, Signal
 from aurora.testing.memory import MemoryChannel, memory_channel_pair
 from aurora.testing.webrtc import loopback_ice
 
 CFG = RtcConfig(connect_timeout_s=10)
 
 
-async def _rendezvous(legs: dict[str, MemoryChannel], rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+async def _rendezvous(legs: dict[str, MemoryChannel], rewrite: Callable[[Signal], Signal]) -> None:
     """A rendezvous node: forwards what each leg sends to the leg named in ``to``."""
 
     async def serve(name: str, ch: MemoryChannel) -> None:
         with contextlib.suppress(TransportClosed):
             while True:
-                m = await ch.recv()
-                dst, h = relay_signal(m.header, came_from=name)
+                m = (await ch.recv()).msg
+                assert isinstance(m, RtcOffer | RtcAnswer | RtcRefused)
+                dst, h = relay_signal(m, came_from=name)
                 await legs[dst].send(rewrite(h))
 
     async with asyncio.TaskGroup() as tg:
@@ -33,7 +36,7 @@ async def _rendezvous(legs: dict[str, MemoryChannel], rewrite: Callable[[dict[st
             tg.create_task(serve(name, ch))
 
 
-async def _through_rendezvous(rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[Any, list[str]]:
+async def _through_rendezvous(rewrite: Callable[[Signal], Signal]) -> tuple[Any, list[str]]:
     with loopback_ice():
         async with asyncio.TaskGroup() as tg:
             a, b = WebRtcTransport("rollout-a", CFG), WebRtcTransport("rollout-b", CFG)
@@ -49,8 +52,8 @@ async def _through_rendezvous(rewrite: Callable[[dict[str, Any]], dict[str, Any]
             try:
                 result: Any = await a.connect("rollout-b", "relay")
                 got = await asyncio.wait_for(b.accept(), 10)
-                await result.send({"via": "webrtc"})
-                assert (await asyncio.wait_for(got.recv(), 10)).header == {"via": "webrtc"}
+                await result.send(Probe(note="webrtc"))
+                assert (await asyncio.wait_for(got.recv(), 10)).msg == Probe(note="webrtc")
                 await result.close()
                 await got.close()
             except TransportClosed as e:
@@ -67,9 +70,9 @@ async def test_peers_meet_through_a_rendezvous() -> None:
 
 
 async def test_an_offer_whose_sdp_fingerprint_differs_from_the_announced_one_is_refused() -> None:
-    def tamper(h: dict[str, Any]) -> dict[str, Any]:
-        if h["k"] == "rtc_offer":  # someone on the path swaps the announced certificate
-            return {**h, "fingerprint": ["sha-256 " + ":".join(["AB"] * 32)]}
+    def tamper(h: Signal) -> Signal:
+        if isinstance(h, RtcOffer):  # someone on the path swaps the announced certificate
+            return msgspec.structs.replace(h, fingerprint=["sha-256 " + ":".join(["AB"] * 32)])
         return h
 
     with capture_logs() as logs:
@@ -82,7 +85,26 @@ async def test_an_offer_whose_sdp_fingerprint_differs_from_the_announced_one_is_
 
 
 def test_the_rendezvous_stamps_the_real_sender() -> None:
-    dst, h = relay_signal({"k": "rtc_offer", "to": "b", "from": "someone-else", "sdp": ""}, came_from="a")
-    assert (dst, h["from"]) == ("b", "a")
-    with pytest.raises(ProtocolError, match="not a signalling message"):
-        relay_signal({"k": "delta_chunk", "to": "b"}, came_from="a")
+    offer = RtcOffer(to="b", sender="someone-else", id="1", sdp="", fingerprint=["x"])
+    dst, h = relay_signal(offer, came_from="a")
+    assert (dst, h.sender) == ("b", "a")
+
+
+async def test_a_garbage_offer_is_refused_and_the_transport_goes_on() -> None:
+    """An offer with garbage SDP, or an SDP aiortc cannot take, never ends the transport's task group."""
+    with loopback_ice():
+        async with asyncio.TaskGroup() as tg:
+            t = WebRtcTransport("relay", CFG)
+            t.start_in(tg)
+            mine, theirs = memory_channel_pair("relay", "rollout")
+            for sdp in (
+                "m=audio x y z",
+                "v=0\r\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n" * 3,
+                "\x00" * 100,
+            ):
+                t.on_signal(RtcOffer(to="relay", sender="rollout", id="x", sdp=sdp, fingerprint=["sha-256 AA"]), mine)
+            answers = [(await asyncio.wait_for(theirs.recv(), 10)).msg for _ in range(3)]
+            assert all(isinstance(a, RtcRefused) for a in answers), answers
+            with pytest.raises(ProtocolError, match="session description"):
+                sdp_fingerprints("m=audio x y z")  # aiortc's parser asserts on this
+            await mine.close()

@@ -80,15 +80,15 @@ class Cluster:
         self.signal(name, signal.SIGKILL)
         self.procs[name].wait()
 
-    def held_leases(self, name: str) -> set[tuple[int, int]]:
-        """The (item, token) leases a worker's log says it was granted and has neither answered nor
-        given up. Exact only while the worker is stopped (its log cannot grow)."""
-        held: set[tuple[int, int]] = set()
+    def held_leases(self, name: str) -> set[tuple[int, str]]:
+        """The (item, token prefix) leases a worker's log says it was granted and has neither answered
+        nor given up. Exact only while the worker is stopped (its log cannot grow)."""
+        held: set[tuple[int, str]] = set()
         for e in log_events(self.logs[name]):
             if e["event"] == "leases_granted":
-                held |= {(int(i), int(t)) for i, t in e["leases"]}
+                held |= {(int(i), str(t)) for i, t in e["leases"]}
             elif e["event"] in ("result_sent", "lease_given_up"):
-                held.discard((int(e["item"]), int(e["token"])))
+                held.discard((int(e["item"]), str(e["token"])))
         return held
 
     def ev(self, name: str, event: str) -> list[dict[str, Any]]:

@@ -10,13 +10,14 @@ from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqClient, ZmqServer
 from structlog.testing import capture_logs
 
 from aurora.errors import TransportClosed
+from aurora.protocol.messages import Probe
 
 CFG = LinkConfig(heartbeat_s=0.1, suspect_after_s=0.4, lost_after_s=0.8, max_frame_bytes=1024)
 
 
 async def test_known_client_talks_unknown_client_is_refused() -> None:
     server_keys, good, bad = CurveKeys.generate(), CurveKeys.generate(), CurveKeys.generate()
-    server = ZmqServer("parent", cfg=CFG, curve=server_keys, allowed_clients={good.public})
+    server = ZmqServer("parent", cfg=CFG, curve=server_keys, clients={good.public: "good"})
     with capture_logs() as logs:
         async with asyncio.TaskGroup() as tg:
             addr = await server.start_in(tg)
@@ -26,11 +27,11 @@ async def test_known_client_talks_unknown_client_is_refused() -> None:
             bad_ch = await intruder.start_in(tg)
             peer = await asyncio.wait_for(server.accept(), 5)
             assert peer.peer == "good"
-            await ch.send({"hello": 1}, b"data")
+            await ch.send(Probe(note="hello"), b"data")
             m = await asyncio.wait_for(peer.recv(), 5)
-            assert m.header == {"hello": 1}
+            assert m.msg == Probe(note="hello")
             with pytest.raises(FrameTooLarge, match="max_frame_bytes"):
-                await ch.send({}, bytes(2048))
+                await ch.send(Probe(), bytes(2048))
             # The intruder never gets a channel on the server, and its own side sees the parent lost.
             with pytest.raises(TransportClosed, match="lost"):
                 await asyncio.wait_for(bad_ch.recv(), 5)

@@ -7,7 +7,9 @@ import asyncio
 import pytest
 from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqChannel, ZmqClient, ZmqServer, ZmqTransport
 
+from aurora.auth.keys import NodeKeys
 from aurora.errors import ConfigError, TransportClosed
+from aurora.protocol.messages import Probe
 
 CFG = LinkConfig(window=8, heartbeat_s=0.1, suspect_after_s=0.4, lost_after_s=0.8)
 
@@ -19,8 +21,8 @@ async def test_parent_restart_on_the_same_address_gives_the_child_a_fresh_channe
         client = ZmqClient("child", addr, "parent", cfg=CFG)
         old = await client.start_in(tg)
         first = await asyncio.wait_for(server.accept(), 5)
-        await old.send({"hello": 1})  # goes once the child has heard this parent incarnation
-        assert (await asyncio.wait_for(first.recv(), 5)).header == {"hello": 1}
+        await old.send(Probe(note="hello"))  # goes once the child has heard this parent incarnation
+        assert (await asyncio.wait_for(first.recv(), 5)).msg == Probe(note="hello")
         await server.close_abruptly()
 
         server2 = ZmqServer("parent", bind=addr, cfg=CFG)
@@ -30,8 +32,8 @@ async def test_parent_restart_on_the_same_address_gives_the_child_a_fresh_channe
             await asyncio.wait_for(old.recv(), 5)
         down = await asyncio.wait_for(server2.accept(), 5)
         for i in range(CFG.window * 3):  # more than a window: credit works on the new channel
-            await new.send({"i": i})
-            assert (await asyncio.wait_for(down.recv(), 5)).header == {"i": i}
+            await new.send(Probe(i=i))
+            assert (await asyncio.wait_for(down.recv(), 5)).msg == Probe(i=i)
         await client.close()
         await server2.close()
 
@@ -49,8 +51,8 @@ async def test_a_parent_that_dies_before_it_is_heard_leaves_nothing_half_sent() 
         await server2.start_in(tg)
         down = await asyncio.wait_for(server2.accept(), 5)
         for i in range(CFG.window * 3):
-            await up.send({"i": i})
-            assert (await asyncio.wait_for(down.recv(), 5)).header == {"i": i}
+            await up.send(Probe(i=i))
+            assert (await asyncio.wait_for(down.recv(), 5)).msg == Probe(i=i)
         await client.close()
         await server2.close()
 
@@ -68,11 +70,11 @@ async def test_lost_credit_reports_are_healed_by_heartbeats(monkeypatch: pytest.
 
         async def produce() -> None:
             for i in range(CFG.window * 4):
-                await up.send({"i": i})
+                await up.send(Probe(i=i))
 
         tg.create_task(produce())
         for i in range(CFG.window * 4):
-            assert (await asyncio.wait_for(down.recv(), 5)).header == {"i": i}
+            assert (await asyncio.wait_for(down.recv(), 5)).msg == Probe(i=i)
         await client.close()
         await server.close()
 
@@ -86,18 +88,18 @@ async def test_transport_connects_by_node_id_and_address_both_ways() -> None:
         up = await child.connect("relay-a", addr)
         down = await asyncio.wait_for(parent.accept(), 5)
         assert (up.peer, down.peer) == ("relay-a", "rollout-1")
-        await up.send({"lease": 1})
-        assert (await asyncio.wait_for(down.recv(), 5)).header == {"lease": 1}
-        await down.send({"delta": 2}, b"chunk")
+        await up.send(Probe(note="lease"))
+        assert (await asyncio.wait_for(down.recv(), 5)).msg == Probe(note="lease")
+        await down.send(Probe(note="delta"), b"chunk")
         m = await asyncio.wait_for(up.recv(), 5)
-        assert (m.header, bytes(m.buffers[0])) == ({"delta": 2}, b"chunk")
+        assert (m.msg, bytes(m.buffers[0])) == (Probe(note="delta"), b"chunk")
         await child.close()
         await parent.close()
 
 
 async def test_curve_without_the_peers_key_is_a_config_error() -> None:
     async with asyncio.TaskGroup() as tg:
-        t = ZmqTransport("rollout-1", cfg=CFG, curve=CurveKeys.generate())
+        t = ZmqTransport("rollout-1", cfg=CFG, keys=NodeKeys(CurveKeys.generate()))
         t.start_in(tg)
         with pytest.raises(ConfigError, match="relay-a"):
             await t.connect("relay-a", "tcp://127.0.0.1:1")

@@ -1,8 +1,11 @@
 """The transport interface every Aurora link implements, and its wire framing.
 
 A `Channel` is an ordered, reliable, flow-controlled message pipe to one peer.
-A message is a small header (a msgpack-able map) plus raw buffers, which
-transports pass without copying where the library allows.
+A message is a typed application message (`aurora.protocol.messages`, encoded
+as a small msgpack header) plus raw buffers, which transports pass without
+copying where the library allows. Transports decode and validate every
+message before a channel hands it out; what fails is the peer's fault
+(`ChannelBase.fault`): dropped, and a peer that keeps at it is cut off.
 
 Rules every implementation keeps (checked by `aurora.testing.conformance`):
 
@@ -21,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from aurora.errors import AuroraError, ConfigError
 from aurora.protocol.liveness import timing_problem
+from aurora.protocol.messages import AppMessage
 
 DEFAULT_WINDOW = 64
 """Unread messages a receiver lets a sender have in flight."""
@@ -39,7 +43,8 @@ class FrameTooLarge(AuroraError):
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    header: Mapping[str, Any]
+    msg: AppMessage
+    """The decoded, validated application message."""
     buffers: Sequence[memoryview] = field(default_factory=tuple)
 
     @property
@@ -57,7 +62,7 @@ class Channel(Protocol):
     @property
     def close_reason(self) -> str | None: ...
 
-    async def send(self, header: Mapping[str, Any], *buffers: bytes | memoryview) -> None:
+    async def send(self, msg: AppMessage, *buffers: bytes | memoryview) -> None:
         """Send one message; waits for flow-control credit. Cancellation-safe before the send starts."""
         ...
 
@@ -66,6 +71,11 @@ class Channel(Protocol):
         ...
 
     async def close(self, reason: str = "closed") -> None: ...
+
+    def fault(self, reason: str) -> None:
+        """The peer sent something malformed or out of place: counted, logged (throttled) and dropped;
+        a peer that keeps at it has its channel closed."""
+        ...
 
 
 class Transport(Protocol):

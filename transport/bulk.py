@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import structlog
 from aurora.transport.base import Channel, Message
 
 from aurora.errors import ProtocolError, TransportClosed
+from aurora.protocol import messages as wire
 from aurora.protocol.bulk import (
     DEFAULT_FRAME_BYTES,
     BulkAssembly,
@@ -62,10 +62,11 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
         if not live:
             raise TransportClosed(f"bulk {offer.id!r}: every stream closed ({offer.size} bytes not confirmed)")
         ctl = live[0]
-        offer_msg = {"k": "bulk_offer", **offer.to_wire(), "round": rnd, "streams": len(live)}
+        offer_msg = wire.BulkOffer(id=offer.id, size=offer.size, frame_bytes=offer.frame_bytes, digest=offer.digest,
+                                   round=rnd, streams=len(live))  # fmt: skip
         reply = await _exchange(ctl, offer.id, answer_timeout_s, offer_msg)
-        if reply is not None and reply["k"] != "bulk_done":
-            want = from_ranges(list(reply.get("missing", [])), offer.frames)
+        if reply is not None and not isinstance(reply, wire.BulkDone):
+            want = from_ranges(reply.missing if isinstance(reply, wire.BulkWant) else [], offer.frames)
             survivors = await _stripe(live, view, offer, digests, want, rnd, stall_s)
             if len(survivors) < len(live):  # the receiver waits for every stream's end: start over
                 live = survivors
@@ -73,12 +74,14 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
             reply = await _exchange(ctl, offer.id, answer_timeout_s)
         if reply is None:
             live.remove(ctl)
-        elif reply["k"] == "bulk_done":
+        elif isinstance(reply, wire.BulkDone):
             return offer.id
 
 
-async def _exchange(ctl: Channel, tid: str, timeout_s: float,
-                    msg: Mapping[str, Any] | None = None) -> Mapping[str, Any] | None:  # fmt: skip
+_Reply = wire.BulkWant | wire.BulkDone | wire.BulkIncomplete
+
+
+async def _exchange(ctl: Channel, tid: str, timeout_s: float, msg: wire.BulkOffer | None = None) -> _Reply | None:
     """Send ``msg`` (if any) and wait for the receiver's answer; None if ``ctl`` failed or fell silent."""
     try:
         if msg is not None:
@@ -88,13 +91,12 @@ async def _exchange(ctl: Channel, tid: str, timeout_s: float,
         return None
 
 
-async def _reply(ctl: Channel, tid: str, timeout_s: float) -> Mapping[str, Any]:
+async def _reply(ctl: Channel, tid: str, timeout_s: float) -> _Reply:
     async with asyncio.timeout(timeout_s):
         while True:
-            m = await ctl.recv()
-            h = m.header
-            if h.get("id") == tid and h.get("k") in ("bulk_want", "bulk_done", "bulk_incomplete"):
-                return h
+            m = (await ctl.recv()).msg
+            if isinstance(m, wire.BulkWant | wire.BulkDone | wire.BulkIncomplete) and m.id == tid:
+                return m
 
 
 async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, digests: list[int], want: list[int],
@@ -111,11 +113,11 @@ async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, diges
                 frame = view[start:end]
                 try:
                     async with asyncio.timeout(stall_s):
-                        await ch.send({"k": "bulk_frame", "id": offer.id, "i": i, "d": digests[i]}, frame)
+                        await ch.send(wire.BulkFrame(id=offer.id, i=i, d=digests[i]), frame)
                 except (TransportClosed, TimeoutError):
                     queue.append(i)  # another stream takes it
                     raise
-            await ch.send({"k": "bulk_end", "id": offer.id, "round": rnd})
+            await ch.send(wire.BulkEnd(id=offer.id, round=rnd))
         except (TransportClosed, TimeoutError) as e:
             dead.append(ch)
             log.warning("bulk_stream_dropped", transfer=offer.id, peer=ch.peer, error=str(e) or "stalled")
@@ -140,33 +142,33 @@ class BulkReceiver:
     async def handle(self, ch: Channel, msg: Message) -> memoryview | None:
         """Feed one message that arrived on ``ch``. Returns the payload when a transfer completes. Raises `ProtocolError` for a malformed
         offer; a bad frame is logged and left missing (it will be asked for again)."""
-        h = msg.header
-        k = h.get("k")
-        if k == "bulk_offer":
-            return await self._offer(ch, h)
-        tid = str(h.get("id"))
-        asm = self.partial.get(tid)
+        m = msg.msg
+        if isinstance(m, wire.BulkOffer):
+            return await self._offer(ch, m)
+        if not isinstance(m, wire.BulkFrame | wire.BulkEnd):
+            return None
+        asm = self.partial.get(m.id)
         if asm is None:
             return None
-        if k == "bulk_frame":
+        if isinstance(m, wire.BulkFrame):
             try:
-                asm.add(int(h.get("i", -1)), msg.buffers[0] if msg.buffers else b"", int(h.get("d", 0)))
+                asm.add(m.i, msg.buffers[0], m.d)
             except ProtocolError as e:
-                log.warning("bulk_frame_rejected", transfer=tid, peer=ch.peer, error=str(e))
-        elif k == "bulk_end":
-            rnd, streams, ends = self._round.get(tid, (0, 0, 0))
-            if int(h.get("round", -1)) == rnd:
+                log.warning("bulk_frame_rejected", transfer=m.id, peer=ch.peer, error=str(e))
+        else:
+            rnd, streams, ends = self._round.get(m.id, (0, 0, 0))
+            if m.round == rnd:
                 ends += 1
-                self._round[tid] = (rnd, streams, ends)
+                self._round[m.id] = (rnd, streams, ends)
                 if ends >= streams:
-                    ctl = self._ctl[tid]
+                    ctl = self._ctl[m.id]
                     if asm.complete:
                         return await self._finish(ctl, asm)
-                    await ctl.send({"k": "bulk_incomplete", "id": tid})
+                    await ctl.send(wire.BulkIncomplete(id=m.id))
         return None
 
-    async def _offer(self, ch: Channel, h: Mapping[str, Any]) -> memoryview | None:
-        offer = BulkOffer.from_wire(dict(h))
+    async def _offer(self, ch: Channel, h: wire.BulkOffer) -> memoryview | None:
+        offer = BulkOffer(h.id, h.size, h.frame_bytes, h.digest)
         asm = self.partial.get(offer.id)
         if asm is None or asm.offer != offer:
             while len(self.partial) >= self.max_transfers:
@@ -177,11 +179,11 @@ class BulkReceiver:
             asm = self.partial[offer.id] = BulkAssembly(offer)
         elif asm.held_frames:
             log.info("bulk_resumed", transfer=offer.id, held_frames=asm.held_frames, frames=offer.frames)
-        self._round[offer.id] = (int(h.get("round", 0)), int(h.get("streams", 1)), 0)
+        self._round[offer.id] = (h.round, h.streams, 0)
         self._ctl[offer.id] = ch
         if asm.complete:
             return await self._finish(ch, asm)
-        await ch.send({"k": "bulk_want", "id": offer.id, "missing": asm.missing()})
+        await ch.send(wire.BulkWant(id=offer.id, missing=asm.missing()))
         return None
 
     async def _finish(self, ctl: Channel, asm: BulkAssembly) -> memoryview:
@@ -189,7 +191,7 @@ class BulkReceiver:
         del self.partial[asm.offer.id]
         self._round.pop(asm.offer.id, None)
         self._ctl.pop(asm.offer.id, None)
-        await ctl.send({"k": "bulk_done", "id": asm.offer.id})
+        await ctl.send(wire.BulkDone(id=asm.offer.id))
         return data
 
 

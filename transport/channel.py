@@ -8,9 +8,16 @@ transport has them). A sender may have at most ``window`` messages that the
 peer has not reported read; the receiver's inbox therefore never holds more
 than ``window`` messages, and a peer that sends more is cut off.
 
-A transport subclass supplies `_transmit` (put one data message on the wire),
-`_report_read` (best-effort, never blocks) and `_send_close`; its receive path
-calls `_deliver`, `_peer_read` and `_shut`. A transport whose peer must answer
+A transport subclass supplies `_transmit` (put one data message on the wire:
+its encoded header and buffers), `_report_read` (best-effort, never blocks),
+`_send_close` and `_notify_close` (best effort, never blocks); its receive path
+decodes every message (`aurora.protocol.messages`) and calls `_deliver`,
+`_peer_read`, `_shut`, or `fault` for what does not decode.
+
+Faults: a peer's malformed or out-of-place messages are counted and logged (at
+most a line per peer every few seconds, with the count); `FAULTS_TO_CLOSE`
+within `FAULT_WINDOW_S` close the channel, so a peer that keeps at it is cut
+off (it may reconnect; its new channel starts with a clean slate). A transport whose peer must answer
 before anything is sent (so that nothing goes to an incarnation that was never
 heard) calls `_await_peer` at creation and `_peer_heard` when the peer answers.
 """
@@ -18,15 +25,22 @@ heard) calls `_await_peer` at creation and `_peer_heard` when the peer answers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any
+from collections import deque
 
 import structlog
 from aurora.transport.base import Message, check_frame
 
 from aurora.errors import TransportClosed
+from aurora.logs import Throttle
+from aurora.protocol.messages import AppMessage, encode_app
 
 log = structlog.get_logger("aurora.transport")
+
+FAULTS_TO_CLOSE = 16
+FAULT_WINDOW_S = 10.0
+"""A peer may send this many bad messages in this many seconds before its channel is closed: a
+slip (one message of a kind this build does not know) is forgiven, a stream of garbage is not."""
+_quiet = Throttle(every_s=5.0)
 
 
 class ChannelBase:
@@ -45,6 +59,9 @@ class ChannelBase:
         self._closed_ev = asyncio.Event()
         self._open_ev = asyncio.Event()
         self._open_ev.set()
+        self.faults = 0
+        """Bad messages this peer sent on this channel."""
+        self._fault_times: deque[float] = deque(maxlen=FAULTS_TO_CLOSE)
 
     @property
     def closed(self) -> bool:
@@ -58,10 +75,11 @@ class ChannelBase:
         if self._reason is not None:
             raise TransportClosed(f"channel {what} {self.peer!r} is closed ({self._reason})")
 
-    async def send(self, header: Mapping[str, Any], *buffers: bytes | memoryview) -> None:
+    async def send(self, msg: AppMessage, *buffers: bytes | memoryview) -> None:
         """Send one message; waits for credit. Cancellation-safe until the message is on the wire."""
         self._check_open()
-        check_frame(buffers, self.max_frame_bytes, self.peer)
+        header = encode_app(msg)
+        check_frame((header, *buffers), self.max_frame_bytes, self.peer)
         if not self._open_ev.is_set():
             await self._open_ev.wait()
             self._check_open()
@@ -97,6 +115,24 @@ class ChannelBase:
             finally:
                 self._shut(reason)
 
+    def fault(self, reason: str) -> None:
+        """See the module docstring: count, log (throttled), and close the channel past the limit."""
+        now = asyncio.get_running_loop().time()
+        self.faults += 1
+        self._fault_times.append(now)
+        suppressed = _quiet.allow(self.peer, now)
+        if suppressed is not None:
+            log.warning("bad_message", peer=self.peer, reason=reason[:300], suppressed=suppressed, faults=self.faults)
+        if len(self._fault_times) == FAULTS_TO_CLOSE and now - self._fault_times[0] < FAULT_WINDOW_S:
+            why = f"peer {self.peer!r} sent {FAULTS_TO_CLOSE} bad messages within {FAULT_WINDOW_S:g} s (last: {reason[:200]})"
+            self.abort(why)
+
+    def abort(self, reason: str) -> None:
+        """Close now, telling the peer if that can be done without waiting."""
+        if self._reason is None:
+            self._notify_close(reason)
+            self._shut(reason)
+
     # -- for the transport's receive path
     def _deliver(self, msg: Message) -> None:
         if self._reason is not None:
@@ -128,8 +164,11 @@ class ChannelBase:
             log.info("channel_closed", peer=self.peer, reason=reason)
 
     # -- for subclasses
-    async def _transmit(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> None:
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
         raise NotImplementedError
+
+    def _notify_close(self, reason: str) -> None:
+        """Best effort, never blocks: tell the peer the channel closes."""
 
     def _report_read(self, total: int) -> None:
         raise NotImplementedError

@@ -8,23 +8,26 @@ reliable data channel on its own peer connection (so each has its own SCTP
 association and congestion window, which is what striping needs: several data
 channels on one association share one window).
 
-Signalling messages (headers only) are ``rtc_offer`` / ``rtc_answer`` /
-``rtc_refused`` with ``to``, ``from``, ``id``, ``sdp`` and ``fingerprint``
-(the sender's DTLS certificate fingerprint, announced apart from the SDP).
-A rendezvous forwards them with `relay_signal`, which stamps ``from`` with the
-peer id of the channel the message came in on, so a node cannot pose as
-another. Before a remote description is applied its DTLS fingerprint must
-equal the announced one (aiortc then holds the certificate to the SDP), else
-the offer is refused and nothing is set up.
+Signalling messages are `RtcOffer` / `RtcAnswer` / `RtcRefused`
+(`aurora.protocol.messages`) with ``to``, ``from``, ``id``, ``sdp`` and
+``fingerprint`` (the sender's DTLS certificate fingerprint, announced apart from
+the SDP). A rendezvous forwards them with `relay_signal`, which stamps ``from``
+with the peer id of the channel the message came in on, so a node cannot pose as
+another. Before a remote description is applied its DTLS fingerprint must equal
+the announced one (aiortc then holds the certificate to the SDP), else the offer
+is refused and nothing is set up. An offer that cannot be parsed or answered is
+refused and logged; nothing a peer signals can end the transport's task group.
 
 On the data channel, a `Channel` message travels as one or more *pieces*
-(aiortc's limit is 256 KiB per data-channel message): a flags byte, then
-bytes of ``[u32 header length][msgpack envelope][buffers...]``. Flag ``MORE``
-says another piece of the same message follows; flag ``CONTROL`` marks a
-self-contained control message (credit totals, heartbeats, close), which may
-sit between the pieces of a data message. Flow control is `ChannelBase`'s
-credit window plus aiortc's ``bufferedAmount``: a sender waits while more than
-``buffered_low_bytes`` sit unsent in the association.
+(aiortc's limit is 256 KiB per data-channel message): a flags byte, then bytes
+of ``[u32 link frame length][link frame][header][buffers...]`` (the link frame,
+a `LinkData`, gives the sizes of the header and each buffer). Flag ``MORE`` says
+another piece of the same message follows; flag ``CONTROL`` marks a
+self-contained control frame (credit totals, heartbeats, close), which may sit
+between the pieces of a data message. A message that grows past the channel's
+``max_frame_bytes`` while it is reassembled closes the channel. Flow control is
+`ChannelBase`'s credit window plus aiortc's ``bufferedAmount``: a sender waits
+while more than ``buffered_low_bytes`` sit unsent in the association.
 
 Loopback addresses are skipped by aioice; `aurora.testing.webrtc` patches the
 host address list for in-process tests, and the netns tests use real
@@ -38,11 +41,10 @@ import contextlib
 import itertools
 import secrets
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgspec
 import structlog
 from aiortc import (
     RTCConfiguration,
@@ -65,6 +67,23 @@ from aurora.transport.channel import ChannelBase
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost
+from aurora.protocol.messages import (
+    MAX_REASON_CHARS,
+    AppMessage,
+    BadMessage,
+    LinkBeat,
+    LinkClose,
+    LinkCredit,
+    LinkData,
+    LinkFrame,
+    RtcAnswer,
+    RtcOffer,
+    RtcRefused,
+    Signal,
+    decode_app,
+    decode_link,
+    encode_link,
+)
 
 log = structlog.get_logger("aurora.transport.webrtc")
 
@@ -72,7 +91,9 @@ PIECE_BYTES = 65535  # 64 KiB, the size every WebRTC stack accepts, less the fla
 # only make aiortc's reassembly (which rescans a message's chunks on each arrival) slower
 MORE = 0x01
 CONTROL = 0x02
-SIGNAL_KINDS = frozenset({"rtc_offer", "rtc_answer", "rtc_refused"})
+MAX_LINK_FRAME = 4096
+MAX_ANSWERS_PER_PEER = 4
+"""Offers from one peer answered at once; more are refused (each costs a peer connection and ICE gathering)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,30 +137,30 @@ def tune_sctp(cfg: RtcConfig) -> None:
 
 
 def sdp_fingerprints(sdp: str) -> set[str]:
-    """The DTLS fingerprints (``"sha-256 AB:CD..."``) an SDP announces."""
-    desc = SessionDescription.parse(sdp)
-    out: set[str] = set()
-    for m in desc.media:
-        if m.dtls is not None:
-            out.update(f"{f.algorithm.lower()} {f.value.upper()}" for f in m.dtls.fingerprints)
+    """The DTLS fingerprints (``"sha-256 AB:CD..."``) an SDP announces; raises `ProtocolError` for
+    text that is not an SDP."""
+    try:
+        desc = SessionDescription.parse(sdp)
+        out: set[str] = set()
+        for m in desc.media:
+            if m.dtls is not None:
+                out.update(f"{f.algorithm.lower()} {f.value.upper()}" for f in m.dtls.fingerprints)
+    except Exception as e:  # noqa: BLE001  (aiortc's parser raises whatever it meets on garbage)
+        raise ProtocolError(f"not a session description: {e!r}"[:300], remote=True) from None
     return out
 
 
-def _pack(h: Mapping[str, Any]) -> bytes:
-    return msgpack.packb(h, use_bin_type=True)  # type: ignore[no-any-return]
-
-
-def encode_pieces(envelope: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...], *,
+def encode_pieces(frame: LinkFrame, parts: tuple[bytes | memoryview, ...] = (), *,
                   last_flags: int = 0, piece_bytes: int = PIECE_BYTES) -> list[bytes]:  # fmt: skip
-    """Split one message into data-channel pieces (see the module docstring): every piece
-    but the last is flagged ``MORE``; the last carries ``last_flags`` (``CONTROL`` for a
-    control message, which always fits one piece)."""
-    head = _pack(envelope)
-    parts: list[memoryview] = [memoryview(struct.pack("<I", len(head)) + head)]
-    parts += [memoryview(b).cast("B") for b in buffers]
+    """Split one link frame and what follows it into data-channel pieces (see the module docstring):
+    every piece but the last is flagged ``MORE``; the last carries ``last_flags`` (``CONTROL`` for a
+    control frame, which always fits one piece)."""
+    head = encode_link(frame)
+    views: list[memoryview] = [memoryview(struct.pack("<I", len(head)) + head)]
+    views += [memoryview(b).cast("B") for b in parts]
     groups: list[list[memoryview]] = [[]]
     room = piece_bytes
-    for p in parts:
+    for p in views:
         while p.nbytes:
             if room == 0:
                 groups.append([])
@@ -152,22 +173,35 @@ def encode_pieces(envelope: Mapping[str, Any], buffers: tuple[bytes | memoryview
     return [b"".join([bytes([last_flags if i == last else MORE]), *g]) for i, g in enumerate(groups)]
 
 
-def decode_message(data: bytes | bytearray) -> tuple[dict[str, Any], list[memoryview]]:
-    """Inverse of `encode_pieces` on the joined piece payloads; raises `ProtocolError`."""
+def encode_message(header: bytes, buffers: tuple[bytes | memoryview, ...]) -> list[bytes]:
+    """The pieces of one data message (its encoded header and buffers)."""
+    sizes = [len(header)] + [len(b) if isinstance(b, bytes) else b.nbytes for b in buffers]
+    return encode_pieces(LinkData(z=sizes), (header, *buffers))
+
+
+def decode_frame(data: bytes | bytearray) -> tuple[LinkFrame, AppMessage | None, list[memoryview]]:
+    """Inverse of `encode_pieces` on the joined piece payloads: the link frame and, for data, the
+    application message and its buffers; raises `BadMessage`."""
     view = memoryview(data)
-    try:
-        (hlen,) = struct.unpack_from("<I", view, 0)
-        env = msgpack.unpackb(view[4 : 4 + hlen], raw=False)
-        sizes = env.get("z", [])
-        bufs, off = [], 4 + hlen
-        for n in sizes:
-            bufs.append(view[off : off + int(n)])
-            off += int(n)
-    except (struct.error, ValueError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError) as e:
-        raise ProtocolError(f"malformed data-channel message: {e}", remote=True) from e
-    if off != len(view) or not isinstance(env, dict):
-        raise ProtocolError("data-channel message length does not match its header", remote=True)
-    return env, bufs
+    if len(view) < 4:
+        raise BadMessage("data-channel message shorter than its length prefix")
+    (hlen,) = struct.unpack_from("<I", view, 0)
+    if hlen > MAX_LINK_FRAME or 4 + hlen > len(view):
+        raise BadMessage(f"data-channel link frame of {hlen} bytes does not fit")
+    frame = decode_link(view[4 : 4 + hlen])
+    rest = view[4 + hlen :]
+    if not isinstance(frame, LinkData):
+        if len(rest):
+            raise BadMessage("a control frame with bytes after it")
+        return frame, None, []
+    sizes = frame.z or []
+    if not sizes or sum(sizes) != len(rest):
+        raise BadMessage("data-channel message length does not match its sizes")
+    parts, off = [], 0
+    for n in sizes:
+        parts.append(rest[off : off + n])
+        off += n
+    return frame, decode_app(parts[0], parts[1:]), parts[1:]
 
 
 class WebRtcChannel(ChannelBase):
@@ -201,7 +235,7 @@ class WebRtcChannel(ChannelBase):
             while not self.closed:
                 self.live.tick(loop.time())
                 for _, hb in self.live.messages_to_send():
-                    self._control({"k": "hb", "i": hb.incarnation, "s": hb.seq, "r": self._read})
+                    self._control(LinkBeat(i=hb.incarnation, s=hb.seq, r=self._read))
                 for ev in self.live.events():
                     if isinstance(ev, PeerLost):
                         log.warning("peer_lost", peer=self.peer, silent_s=round(ev.silent_s, 2))
@@ -224,9 +258,8 @@ class WebRtcChannel(ChannelBase):
                 closed.cancel()
             self._check_open()
 
-    async def _transmit(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> None:
-        sizes = [len(b) if isinstance(b, bytes) else b.nbytes for b in buffers]
-        for piece in encode_pieces({"k": "d", "h": dict(header), "z": sizes}, buffers):
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
+        for piece in encode_message(header, buffers):
             await self._room()
             self._put(piece)
 
@@ -236,17 +269,20 @@ class WebRtcChannel(ChannelBase):
             self._check_open()
         self.dc.send(piece)
 
-    def _control(self, envelope: Mapping[str, Any]) -> None:
+    def _control(self, frame: LinkFrame) -> None:
         if self.dc.readyState == "open":
-            (piece,) = encode_pieces(envelope, (), last_flags=CONTROL)
+            (piece,) = encode_pieces(frame, (), last_flags=CONTROL)
             self.dc.send(piece)
 
     def _report_read(self, total: int) -> None:
-        self._control({"k": "c", "n": total})
+        self._control(LinkCredit(n=total))
+
+    def _notify_close(self, reason: str) -> None:
+        self._closing = reason
+        self._control(LinkClose(reason=reason[:MAX_REASON_CHARS]))
 
     async def _send_close(self, reason: str) -> None:
-        self._closing = reason
-        self._control({"k": "x", "reason": reason})
+        self._notify_close(reason)
         if self.dc.bufferedAmount > 0:  # let the queued bytes and the close message leave first
             self._room_ev.clear()
             self.dc.bufferedAmountLowThreshold = 0
@@ -262,29 +298,31 @@ class WebRtcChannel(ChannelBase):
         flags = piece[0]
         now = asyncio.get_running_loop().time()
         self.live.heard(self.peer, now)  # any piece shows the peer alive, even mid-message
+        if flags & CONTROL:
+            data: bytes | bytearray = piece[1:]
+        else:
+            self._assembly += memoryview(piece)[1:]
+            if len(self._assembly) > self.max_frame_bytes + MAX_LINK_FRAME + 64 * 1024:
+                self._shut(f"peer sent a message larger than max_frame_bytes={self.max_frame_bytes}")
+                return
+            if flags & MORE:
+                return
+            data, self._assembly = self._assembly, bytearray()
         try:
-            if flags & CONTROL:
-                env, _ = decode_message(piece[1:])
-            else:
-                self._assembly += memoryview(piece)[1:]
-                if flags & MORE:
-                    return
-                data, self._assembly = self._assembly, bytearray()
-                env, bufs = decode_message(data)
-        except ProtocolError as e:
-            log.warning("bad_frame", peer=self.peer, error=str(e))
-            self._shut(f"peer sent a malformed message: {e}")
+            frame, msg, bufs = decode_frame(data)
+        except BadMessage as e:
+            self.fault(e.reason)
             return
-        k = env.get("k")
-        if k == "d":
-            self._deliver(Message(env.get("h", {}), tuple(bufs)))
-        elif k == "c":
-            self._peer_read(int(env.get("n", 0)))
-        elif k == "hb":
-            self.live.on_heartbeat(Heartbeat(self.peer, int(env.get("i", 0)), int(env.get("s", 0))), now)
-            self._peer_read(int(env.get("r", 0)))
-        elif k == "x":
-            self._shut(str(env.get("reason", "closed by peer")))
+        if isinstance(frame, LinkData):
+            assert msg is not None
+            self._deliver(Message(msg, tuple(bufs)))
+        elif isinstance(frame, LinkCredit):
+            self._peer_read(frame.n)
+        elif isinstance(frame, LinkBeat):
+            self.live.on_heartbeat(Heartbeat(self.peer, frame.i, frame.s), now)
+            self._peer_read(frame.r)
+        elif isinstance(frame, LinkClose):
+            self._shut(frame.reason)
 
     def _on_state(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):
@@ -299,7 +337,7 @@ class _Pending:
     peer: str
     pc: RTCPeerConnection
     dc: RTCDataChannel
-    answer: asyncio.Future[Mapping[str, Any]] = field(
+    answer: asyncio.Future[RtcAnswer | RtcRefused] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -316,6 +354,8 @@ class WebRtcTransport:
         self._ids = itertools.count()
         self.refused: list[str] = []
         self.rendezvous: dict[str, Channel] = {}
+        self._answering: dict[str, int] = {}
+        """Offers being answered, per peer (bounded: `MAX_ANSWERS_PER_PEER`)."""
 
     def start_in(self, tg: asyncio.TaskGroup) -> None:
         tune_sctp(self.cfg)
@@ -351,13 +391,13 @@ class WebRtcTransport:
             async with asyncio.timeout(self.cfg.connect_timeout_s):
                 await pc.setLocalDescription(await pc.createOffer())  # gathers every candidate
                 sdp = pc.localDescription.sdp
-                await via.send({"k": "rtc_offer", "to": peer, "from": self.node_id, "id": cid, "sdp": sdp,
-                                "fingerprint": sorted(sdp_fingerprints(sdp))})  # fmt: skip
+                await via.send(RtcOffer(to=peer, sender=self.node_id, id=cid, sdp=sdp,
+                                        fingerprint=sorted(sdp_fingerprints(sdp))))  # fmt: skip
                 ans = await pending.answer
-                if ans["k"] == "rtc_refused":
-                    raise TransportClosed(f"WebRTC peer {peer!r} refused the connection: {ans.get('reason')}")
-                self._check_fingerprint(peer, ans)
-                await pc.setRemoteDescription(RTCSessionDescription(str(ans["sdp"]), "answer"))
+                if isinstance(ans, RtcRefused):
+                    raise TransportClosed(f"WebRTC peer {peer!r} refused the connection: {ans.reason}")
+                self._check_fingerprint(peer, ans.fingerprint, ans.sdp)
+                await _describe(pc, ans.sdp, "answer", peer)
                 await _opened(dc)
         except (TimeoutError, TransportClosed, ProtocolError) as e:
             await pc.close()
@@ -382,58 +422,83 @@ class WebRtcTransport:
     async def close(self) -> None:
         """Channels close themselves (and their peer connections) when their owners close them."""
 
-    def on_signal(self, header: Mapping[str, Any], reply_via: Channel) -> None:
-        """Feed one ``rtc_*`` message that arrived on a signalling channel."""
+    def on_signal(self, msg: Signal, reply_via: Channel) -> None:
+        """Feed one signalling message that arrived on a signalling channel (its ``sender`` already
+        stamped by the rendezvous as the channel's peer)."""
         assert self._tg is not None, "start_in() first"
-        k = header.get("k")
-        if k == "rtc_offer":
-            self._tg.create_task(self._answer(dict(header), reply_via))
-        elif k in ("rtc_answer", "rtc_refused"):
-            p = self._pending.get(str(header.get("id")))
-            if p is not None and not p.answer.done() and header.get("from") == p.peer:
-                p.answer.set_result(header)
+        if isinstance(msg, RtcOffer):
+            busy = self._answering.get(msg.sender, 0)
+            if busy >= MAX_ANSWERS_PER_PEER:
+                reply_via.fault(f"more than {MAX_ANSWERS_PER_PEER} WebRTC offers at once")
+                return
+            self._answering[msg.sender] = busy + 1
+            self._tg.create_task(self._answer(msg, reply_via))
+        else:
+            p = self._pending.get(msg.id)
+            if p is not None and not p.answer.done() and msg.sender == p.peer:
+                p.answer.set_result(msg)
 
-    async def serve_signalling(self, via: Channel) -> None:
-        """The receive loop of a channel that carries only signalling: every message goes to
-        `on_signal` until ``via`` closes. (A channel that carries other traffic too calls
+    async def serve_signalling(self, via: Channel, *, stamp: bool = False) -> None:
+        """The receive loop of a channel that carries only signalling: every signalling message goes
+        to `on_signal` until ``via`` closes; anything else is the peer's fault. ``stamp``: ``via``'s
+        peer is the rendezvous *and* the only peer on it (a parent answering its child), so ``from``
+        is set to it, whatever the message says. (A channel that carries other traffic too calls
         `on_signal` from its own loop.)"""
         with contextlib.suppress(TransportClosed):
             while True:
-                self.on_signal((await via.recv()).header, via)
+                msg = (await via.recv()).msg
+                if isinstance(msg, RtcOffer | RtcAnswer | RtcRefused):
+                    self.on_signal(msgspec.structs.replace(msg, sender=via.peer) if stamp else msg, via)
+                else:
+                    via.fault(f"a {type(msg).__name__} on a signalling channel")
 
-    def _check_fingerprint(self, peer: str, h: Mapping[str, Any]) -> None:
-        announced = {str(f) for f in h.get("fingerprint", [])}
-        in_sdp = sdp_fingerprints(str(h.get("sdp", "")))
+    def _check_fingerprint(self, peer: str, announced_list: list[str], sdp: str) -> None:
+        announced = set(announced_list)
+        in_sdp = sdp_fingerprints(sdp)
         if not announced or announced != in_sdp:
-            self.refused.append(peer)
-            log.warning("webrtc_fingerprint_mismatch", node=self.node_id, peer=peer, announced=sorted(announced),
-                        sdp=sorted(in_sdp))  # fmt: skip
+            if len(self.refused) < 1000:
+                self.refused.append(peer)
+            log.warning("webrtc_fingerprint_mismatch", node=self.node_id, peer=peer, announced=sorted(announced)[:4],
+                        sdp=sorted(in_sdp)[:4])  # fmt: skip
             raise ProtocolError(f"WebRTC peer {peer!r}: DTLS fingerprint in the SDP differs from the one announced",
                                 remote=True)  # fmt: skip
 
-    async def _answer(self, offer: dict[str, Any], reply_via: Channel) -> None:
-        peer, cid = str(offer.get("from")), str(offer.get("id"))
+    async def _answer(self, offer: RtcOffer, reply_via: Channel) -> None:
+        """Answer one offer. Runs in the transport's task group, so nothing here may raise: an offer
+        that cannot be answered is refused (or dropped) and logged."""
+        peer, cid = offer.sender, offer.id
         try:
-            self._check_fingerprint(peer, offer)
+            await self._answer_or_refuse(offer, reply_via)
+        except (TransportClosed, TimeoutError) as e:
+            log.warning("webrtc_answer_failed", node=self.node_id, peer=peer, id=cid, error=str(e) or "timeout")
+        except Exception as e:  # noqa: BLE001  (a peer's offer may break aiortc in any way; never the node)
+            log.warning("webrtc_answer_failed", node=self.node_id, peer=peer, id=cid, error=repr(e)[:300])
+        finally:
+            left = self._answering.get(peer, 1) - 1
+            if left > 0:
+                self._answering[peer] = left
+            else:
+                self._answering.pop(peer, None)
+
+    async def _answer_or_refuse(self, offer: RtcOffer, reply_via: Channel) -> None:
+        peer, cid = offer.sender, offer.id
+        try:
+            self._check_fingerprint(peer, offer.fingerprint, offer.sdp)
         except ProtocolError as e:
-            await reply_via.send({"k": "rtc_refused", "to": peer, "from": self.node_id, "id": cid, "reason": str(e)})
+            await reply_via.send(RtcRefused(to=peer, sender=self.node_id, id=cid, reason=str(e)[:MAX_REASON_CHARS]))
             return
         pc = RTCPeerConnection(self._rtc_config())
         got: asyncio.Future[RTCDataChannel] = asyncio.get_running_loop().create_future()
         pc.on("datachannel", lambda dc: _settle(got, dc))
         try:
             async with asyncio.timeout(self.cfg.connect_timeout_s):
-                await pc.setRemoteDescription(RTCSessionDescription(str(offer["sdp"]), "offer"))
+                await _describe(pc, offer.sdp, "offer", peer)
                 await pc.setLocalDescription(await pc.createAnswer())
                 sdp = pc.localDescription.sdp
-                await reply_via.send({"k": "rtc_answer", "to": peer, "from": self.node_id, "id": cid, "sdp": sdp,
-                                      "fingerprint": sorted(sdp_fingerprints(sdp))})  # fmt: skip
+                await reply_via.send(RtcAnswer(to=peer, sender=self.node_id, id=cid, sdp=sdp,
+                                               fingerprint=sorted(sdp_fingerprints(sdp))))  # fmt: skip
                 dc = await got
                 await _opened(dc)
-        except (TimeoutError, TransportClosed) as e:
-            log.warning("webrtc_answer_failed", node=self.node_id, peer=peer, error=str(e) or "timeout")
-            await pc.close()
-            return
         except BaseException:
             await pc.close()
             raise
@@ -442,6 +507,16 @@ class WebRtcTransport:
         ch.start_in(self._tg)
         log.info("webrtc_accepted", node=self.node_id, peer=peer, id=cid)
         self._accepted.put_nowait(ch)
+
+
+async def _describe(pc: RTCPeerConnection, sdp: str, kind: str, peer: str) -> None:
+    """Apply a peer's session description; what aiortc cannot take is the peer's `ProtocolError`."""
+    try:
+        await pc.setRemoteDescription(RTCSessionDescription(sdp, kind))
+    except (TransportClosed, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001  (aiortc raises whatever a malformed description makes it meet)
+        raise ProtocolError(f"WebRTC peer {peer!r} sent an unusable {kind}: {e!r}"[:300], remote=True) from None
 
 
 async def _opened(dc: RTCDataChannel) -> None:
@@ -461,12 +536,10 @@ def _settle(fut: asyncio.Future[Any], value: object) -> None:
             fut.set_result(value)
 
 
-def relay_signal(header: Mapping[str, Any], came_from: str) -> tuple[str, dict[str, Any]]:
-    """What a rendezvous does with an ``rtc_*`` message from the channel of peer
-    ``came_from``: forward it to ``to``, with ``from`` stamped as the real sender."""
-    if header.get("k") not in SIGNAL_KINDS or not isinstance(header.get("to"), str):
-        raise ProtocolError(f"not a signalling message from {came_from!r}: {header.get('k')!r}", remote=True)
-    return str(header["to"]), {**header, "from": came_from}
+def relay_signal(msg: Signal, came_from: str) -> tuple[str, Signal]:
+    """What a rendezvous does with a signalling message from the channel of peer ``came_from``:
+    forward it to ``to``, with ``from`` stamped as the real sender."""
+    return msg.to, msgspec.structs.replace(msg, sender=came_from)
 
 
 __all__ = ["IceServer", "RtcConfig", "WebRtcChannel", "WebRtcTransport", "relay_signal", "sdp_fingerprints"]

@@ -3,9 +3,20 @@
 Children always dial out (what NAT allows). Each link carries `Channel`
 semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
 
-* frames: ``[header(msgpack), *buffers]`` (the ROUTER adds the peer identity in
-  front); header ``k`` is ``d`` data, ``c`` flow-control credit, ``hb``
-  heartbeat, ``x`` close. Buffers go out with ``copy=False``.
+* frames: ``[link frame, *rest]`` (the ROUTER adds the connection's routing id in
+  front); the link frame is a `aurora.protocol.messages.LinkFrame`: ``d`` data
+  (then the application message's header and its buffers), ``c`` credit, ``hb``
+  heartbeat, ``x`` close. Buffers go out with ``copy=False``. Every frame is
+  decoded and validated before anything acts on it; what fails is dropped and
+  counted against the peer (`ChannelBase.fault`), never raised.
+* identity: a DEALER sets no routing id (the ROUTER gives each connection a random
+  one), so no client can take over another's route. Who a peer *is* comes from
+  its CurveZMQ key when keys are on (the ZAP handler's User-Id, mapped to a node
+  name by the topology's keys; a heartbeat naming another node is refused), and
+  from the name in its heartbeats otherwise. Frames from a connection other than
+  the one a peer's channel is on are dropped, unless they are heartbeats of a
+  newer incarnation (the peer restarted): then the channel moves to the new
+  connection, as a fresh channel.
 * flow control: `ChannelBase`'s cumulative credit window; the read total goes
   in ``c`` frames and rides on every heartbeat; a peer that overruns the
   window is cut off.
@@ -16,8 +27,8 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
   incarnation too (incarnations are start times).
 * ``linger=0`` everywhere, so closing never hangs; DEALERs reconnect by
   themselves with exponential backoff (``reconnect_ivl`` .. ``reconnect_ivl_max``).
-* CurveZMQ when keys are given: the server's secret key, and the set of client
-  public keys it accepts; any other client is refused by ZAP and logged.
+* CurveZMQ when keys are given: the server's secret key, and the map of client
+  public keys to node names; any other client is refused by ZAP and logged.
 * frames above ``max_frame_bytes`` are refused at `send` (`FrameTooLarge`) and
   by the receiving socket (``ZMQ_MAXMSGSIZE``), never buffered.
 """
@@ -29,7 +40,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import structlog
 import zmq
 import zmq.asyncio
@@ -37,23 +47,27 @@ from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Messa
 from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
+from aurora.auth.keys import CurveKeys, NodeKeys
 from aurora.errors import ConfigError, ProtocolError, TransportClosed
+from aurora.logs import Throttle
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost, PeerRejoined
+from aurora.protocol.messages import (
+    MAX_REASON_CHARS,
+    BadMessage,
+    LinkBeat,
+    LinkClose,
+    LinkCredit,
+    LinkData,
+    LinkFrame,
+    decode_app,
+    decode_link,
+    encode_link,
+)
 
 log = structlog.get_logger("aurora.transport.zmq")
 
-
-@dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """A CurveZMQ key pair, Z85-encoded (40 ASCII bytes each)."""
-
-    public: bytes
-    secret: bytes
-
-    @classmethod
-    def generate(cls) -> CurveKeys:
-        pub, sec = zmq.curve_keypair()
-        return cls(pub, sec)
+_DATA = encode_link(LinkData())
+_quiet = Throttle(every_s=5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,24 +85,20 @@ class LinkConfig:
         check_timings(self.heartbeat_s, self.suspect_after_s, self.lost_after_s)
 
 
-def _pack(h: Mapping[str, Any]) -> bytes:
-    return msgpack.packb(h, use_bin_type=True)  # type: ignore[no-any-return]
-
-
 class ZmqChannel(ChannelBase):
     """One peer's end of a ZeroMQ link (see the module docstring)."""
 
     def __init__(self, link: _Endpoint, peer: str, route: bytes | None) -> None:
         super().__init__(peer, link.cfg.window, link.cfg.max_frame_bytes)
         self._link = link
-        self._route = route  # ROUTER side: the peer's identity frame
+        self._route = route  # ROUTER side: the connection's routing id
 
-    def _frames(self, header: Mapping[str, Any], bufs: tuple[bytes | memoryview, ...]) -> list[Any]:
-        frames: list[Any] = [_pack(header), *bufs]
+    def _frames(self, first: bytes, rest: tuple[bytes | memoryview, ...]) -> list[Any]:
+        frames: list[Any] = [first, *rest]
         return [self._route, *frames] if self._route is not None else frames
 
-    async def _transmit(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> None:
-        frames = self._frames({"k": "d", "h": dict(header)}, buffers)
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
+        frames = self._frames(_DATA, (header, *buffers))
         try:
             await self._link.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             return
@@ -108,18 +118,21 @@ class ZmqChannel(ChannelBase):
         send.result()
 
     def _report_read(self, total: int) -> None:
-        self._control({"k": "c", "n": total})
+        self._control(LinkCredit(n=total))
 
     async def _send_close(self, reason: str) -> None:
-        self._control({"k": "x", "reason": reason})
+        self._notify_close(reason)
 
-    def _control(self, header: Mapping[str, Any]) -> None:
+    def _notify_close(self, reason: str) -> None:
+        self._control(LinkClose(reason=reason[:MAX_REASON_CHARS]))
+
+    def _control(self, frame: LinkFrame) -> None:
         """Best effort, never blocks: a control frame that cannot go now is dropped (credit
         totals are cumulative and repeat with every heartbeat; a lost close is made moot by
         liveness)."""
         try:
             fut: asyncio.Future[Any] = self._link.sock.send_multipart(  # type: ignore[assignment]
-                self._frames(header, ()), flags=zmq.NOBLOCK, copy=False
+                self._frames(encode_link(frame), ()), flags=zmq.NOBLOCK, copy=False
             )
         except zmq.ZMQError as e:
             self._shut(f"send failed: {e}")
@@ -131,15 +144,22 @@ class ZmqChannel(ChannelBase):
         if e is not None and not isinstance(e, zmq.Again):
             self._shut(f"send failed: {e}")
 
-    # -- called by the endpoint's receive loop
-    def _on_frame(self, header: Mapping[str, Any], bufs: list[memoryview]) -> None:
-        k = header.get("k")
-        if k == "d":
-            self._deliver(Message(header.get("h", {}), tuple(bufs)))
-        elif k == "c":
-            self._peer_read(int(header.get("n", 0)))
-        elif k == "x":
-            self._shut(str(header.get("reason", "closed by peer")))
+    # -- called by the endpoint's receive loop, with a decoded link frame
+    def _on_frame(self, link: LinkFrame, rest: list[memoryview]) -> None:
+        if isinstance(link, LinkData):
+            if not rest:
+                self.fault("a data frame without its message")
+                return
+            try:
+                msg = decode_app(rest[0], rest[1:])
+            except BadMessage as e:
+                self.fault(e.reason)
+                return
+            self._deliver(Message(msg, tuple(rest[1:])))
+        elif isinstance(link, LinkCredit):
+            self._peer_read(link.n)
+        elif isinstance(link, LinkClose):
+            self._shut(link.reason)
 
     def _on_shut(self) -> None:
         self._link._forget(self)
@@ -160,6 +180,8 @@ class _Endpoint:
         self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self.dropped = 0
+        """Frames dropped before reaching a channel (malformed, from an unknown or stale connection)."""
 
     def _setup(self, sock: zmq.asyncio.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -171,6 +193,13 @@ class _Endpoint:
         if self.channels.get(ch.peer) is ch:
             del self.channels[ch.peer]
             self.live.remove_peer(ch.peer)
+
+    def _drop(self, source: str, reason: str) -> None:
+        """A frame that reaches no channel: counted, logged at most every few seconds per source."""
+        self.dropped += 1
+        suppressed = _quiet.allow(f"{self.node_id}/{source}", asyncio.get_running_loop().time())
+        if suppressed is not None:
+            log.warning("bad_frame", node=self.node_id, source=source, reason=reason[:300], suppressed=suppressed)
 
     async def accept(self) -> ZmqChannel:
         """The next new channel: on a server, a child that said hello (or came back after a
@@ -186,10 +215,11 @@ class _Endpoint:
         for peer, hb in self.live.messages_to_send():
             ch = self.channels.get(peer)
             if ch is not None:
-                ch._control({"k": "hb", "i": hb.incarnation, "s": hb.seq, "r": ch._read})
+                ch._control(LinkBeat(i=hb.incarnation, s=hb.seq, r=ch._read, n=self.node_id))
         self._on_events()
 
-    def _on_events(self) -> None:
+    def _on_events(self, route: bytes | None = None) -> None:
+        """Act on liveness events; ``route``: the connection the frame that caused them came on."""
         for ev in self.live.events():
             ch = self.channels.get(ev.peer)
             if ch is None:
@@ -199,9 +229,9 @@ class _Endpoint:
                 ch._shut(f"peer lost: silent for {ev.silent_s:.1f} s")
             elif isinstance(ev, PeerRejoined):
                 log.info("peer_restarted", node=self.node_id, peer=ev.peer, incarnation=ev.incarnation)
-                route = ch._route
+                new_route = route if route is not None else ch._route
                 ch._shut("peer restarted")
-                self._open(ev.peer, route)
+                self._open(ev.peer, new_route)
                 self.live.add_peer(ev.peer, asyncio.get_running_loop().time())
 
     async def _heartbeat_loop(self) -> None:
@@ -212,31 +242,18 @@ class _Endpoint:
     async def _recv_loop(self) -> None:
         raise NotImplementedError
 
-    def _handle(self, peer: str, route: bytes | None, frames: list[zmq.Frame]) -> None:
-        try:
-            header = msgpack.unpackb(frames[0].buffer, raw=False)
-            if not isinstance(header, dict):
-                raise ValueError("header is not a map")
-        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-            log.warning("bad_frame", peer=peer, error=str(e))
-            return
-        now = asyncio.get_running_loop().time()
+    def _beat_from(self, peer: str, route: bytes | None, hb: LinkBeat, now: float) -> None:
+        """A valid heartbeat from ``peer`` (identified already) on connection ``route``."""
         ch = self.channels.get(peer)
-        if header.get("k") == "hb":
-            if ch is None:  # a new peer, or one back after being lost: a fresh channel
-                ch = self._open(peer, route)
-                self.live.add_peer(peer, now)
-            self.live.on_heartbeat(Heartbeat(peer, int(header.get("i", 0)), int(header.get("s", 0))), now)
-            self._on_events()
-            ch = self.channels.get(peer)
-            if ch is not None:
-                ch._peer_heard()
-                ch._peer_read(int(header.get("r", 0)))
-            return
-        if ch is None:
-            return  # a stray frame for a channel already closed
-        self.live.heard(peer, now)
-        ch._on_frame(header, [f.buffer for f in frames[1:]])
+        if ch is None:  # a new peer, or one back after being lost: a fresh channel
+            ch = self._open(peer, route)
+            self.live.add_peer(peer, now)
+        self.live.on_heartbeat(Heartbeat(peer, hb.i, hb.s), now)
+        self._on_events(route)
+        ch = self.channels.get(peer)
+        if ch is not None and ch._route == route:
+            ch._peer_heard()
+            ch._peer_read(hb.r)
 
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
         raise NotImplementedError
@@ -265,24 +282,35 @@ class _Endpoint:
 
 
 class ZmqServer(_Endpoint):
-    """The binding side (a parent). `accept` yields a channel per child that says hello."""
+    """The binding side (a parent). `accept` yields a channel per child that says hello.
+
+    ``clients``: with CurveZMQ, every client public key (Z85) this server lets in, mapped to
+    the node name it belongs to; a key not in it is refused by ZAP."""
 
     def __init__(self, node_id: str, bind: str = "tcp://127.0.0.1:0", *, cfg: LinkConfig | None = None,
-                 curve: CurveKeys | None = None, allowed_clients: set[bytes] | None = None) -> None:  # fmt: skip
+                 curve: CurveKeys | None = None, clients: Mapping[bytes, str] | None = None) -> None:  # fmt: skip
         super().__init__(node_id, cfg or LinkConfig(), new_incarnation())
+        if (curve is None) != (clients is None):
+            raise ValueError("CurveZMQ needs both the server's keys and the clients' keys")
         self.bind_addr = bind
         self.curve = curve
-        self.allowed_clients = allowed_clients
+        self.clients = dict(clients) if clients is not None else None
         self.address = ""
         self._auth: AsyncioAuthenticator | None = None
         self.refused: list[bytes] = []
+        self._routes: dict[bytes, ZmqChannel] = {}
+        """Each open channel by the routing id of its connection."""
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP credentials check (CurveZMQ): only configured client keys get in."""
-        ok = self.allowed_clients is not None and key in self.allowed_clients
+        ok = self.clients is not None and key in self.clients
         if not ok:
-            self.refused.append(key)
-            log.warning("curve_client_refused", server=self.node_id, client_key=key.decode(errors="replace"))
+            if len(self.refused) < 1000:
+                self.refused.append(key)
+            suppressed = _quiet.allow(f"{self.node_id}/zap/{key!r}", asyncio.get_running_loop().time())
+            if suppressed is not None:
+                log.warning("curve_client_refused", server=self.node_id, client_key=key.decode(errors="replace"),
+                            suppressed=suppressed)  # fmt: skip
         return ok
 
     async def start_in(self, tg: asyncio.TaskGroup) -> str:
@@ -293,7 +321,6 @@ class ZmqServer(_Endpoint):
             self._auth.configure_curve_callback("*", credentials_provider=self)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._setup(self.sock)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.curve is not None:
             self.sock.curve_secretkey = self.curve.secret
             self.sock.curve_publickey = self.curve.public
@@ -313,17 +340,72 @@ class ZmqServer(_Endpoint):
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
         ch = ZmqChannel(self, peer, route)
         self.channels[peer] = ch
+        assert route is not None
+        self._routes[route] = ch
         self._accepted.put_nowait(ch)
         log.info("channel_opened", node=self.node_id, peer=peer)
         return ch
+
+    def _forget(self, ch: ZmqChannel) -> None:
+        super()._forget(ch)
+        if ch._route is not None and self._routes.get(ch._route) is ch:
+            del self._routes[ch._route]
+
+    def _beat_from(self, peer: str, route: bytes | None, hb: LinkBeat, now: float) -> None:
+        ch = self.channels.get(peer)
+        if ch is not None and ch._route != route:
+            known = self.live.remote_incarnation(peer)
+            if known is not None and hb.i < known:
+                self._drop(peer, "a heartbeat of an older incarnation from another connection")
+                return
+            # the peer reconnected (or restarted): what was in flight on the old connection is
+            # gone, so the channel starts afresh on the new one
+            log.info("peer_reconnected", node=self.node_id, peer=peer)
+            ch._shut("peer reconnected")
+        super()._beat_from(peer, route, hb, now)
 
     async def _recv_loop(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
-            route = frames[0].bytes
-            self._handle(route.decode(errors="replace"), route, frames[1:])
+            self._handle(frames[0].bytes, frames[1:])
+
+    def _handle(self, route: bytes, frames: list[zmq.Frame]) -> None:
+        source = route.hex()
+        try:
+            link = decode_link(frames[0].buffer)
+        except BadMessage as e:
+            self._drop(source, e.reason)
+            return
+        key_name = None
+        if self.clients is not None:
+            try:
+                uid = frames[0].get("User-Id")
+                key_name = self.clients.get(uid.encode()) if isinstance(uid, str) else None
+            except (zmq.ZMQError, UnicodeError):
+                key_name = None
+            if key_name is None:  # ZAP let it in, so this cannot happen short of a bug
+                self._drop(source, "a frame with no known CurveZMQ key")
+                return
+        now = asyncio.get_running_loop().time()
+        if isinstance(link, LinkBeat):
+            claimed = link.n
+            if key_name is not None and claimed is not None and claimed != key_name:
+                self._drop(key_name, f"the key of {key_name!r} sent heartbeats as {claimed!r}: refused")
+                return
+            peer = key_name or claimed
+            if peer is None:
+                self._drop(source, "a heartbeat that names no node")
+                return
+            self._beat_from(peer, route, link, now)
+            return
+        ch = self._routes.get(route)
+        if ch is None or (key_name is not None and ch.peer != key_name):
+            self._drop(source, "a frame from a connection with no channel (a stale or unknown one)")
+            return
+        self.live.heard(ch.peer, now)
+        ch._on_frame(link, [f.buffer for f in frames[1:]])
 
     def _before_term(self) -> None:
         if self._auth is not None:
@@ -347,7 +429,6 @@ class ZmqClient(_Endpoint):
     async def start_in(self, tg: asyncio.TaskGroup) -> ZmqChannel:
         self.sock = self.ctx.socket(zmq.DEALER)
         self._setup(self.sock)
-        self.sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
         self.sock.setsockopt(zmq.RECONNECT_IVL, self.cfg.reconnect_ivl_ms)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.cfg.reconnect_ivl_max_ms)
         if self.curve is not None:
@@ -374,35 +455,50 @@ class ZmqClient(_Endpoint):
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             if frames:
-                self._handle(self.server_id, None, frames)
+                self._handle(frames)
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            link = decode_link(frames[0].buffer)
+        except BadMessage as e:
+            self._drop(self.server_id, e.reason)
+            return
+        now = asyncio.get_running_loop().time()
+        if isinstance(link, LinkBeat):
+            self._beat_from(self.server_id, None, link, now)
+            return
+        ch = self.channels.get(self.server_id)
+        if ch is None:
+            return  # a stray frame for a channel already closed
+        self.live.heard(self.server_id, now)
+        ch._on_frame(link, [f.buffer for f in frames[1:]])
 
 
 class ZmqTransport:
     """A node's ZeroMQ side (`aurora.transport.base.Transport`): an optional listening server
-    for its children, and one dialling client per parent it connects to."""
+    for its children, and one dialling client per parent it connects to. ``keys``: the node's
+    keys (CurveZMQ on when they hold a pair)."""
 
     def __init__(self, node_id: str, *, cfg: LinkConfig | None = None, bind: str | None = None,
-                 curve: CurveKeys | None = None, allowed_clients: set[bytes] | None = None,
-                 server_keys: Mapping[str, bytes] | None = None) -> None:  # fmt: skip
+                 keys: NodeKeys | None = None) -> None:  # fmt: skip
         self.node_id = node_id
         self.cfg = cfg or LinkConfig()
-        self.server = (
-            ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, allowed_clients=allowed_clients) if bind else None
-        )
-        self.curve = curve
-        self.server_keys = dict(server_keys or {})
+        self.keys = keys or NodeKeys()
+        curve = self.keys.curve
+        clients = {k: n for n, k in self.keys.public.items()} if curve is not None else None
+        self.server = ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, clients=clients) if bind else None
         self.clients: dict[str, ZmqClient] = {}
         self.address = ""
         self._tg: asyncio.TaskGroup | None = None
         self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
-        self._forwards: list[asyncio.Task[None]] = []
+        self._forwards: dict[str, asyncio.Task[None]] = {}
 
     async def listen_in(self, tg: asyncio.TaskGroup) -> str:
         """`start_in`, and bind the server; returns its address ("" without one)."""
         self.start_in(tg)
         if self.server is not None:
             self.address = await self.server.start_in(tg)
-            self._forwards.append(tg.create_task(self._forward(self.server)))
+            self._forwards[""] = tg.create_task(self._forward(self.server))
         return self.address
 
     def start_in(self, tg: asyncio.TaskGroup) -> None:
@@ -416,16 +512,14 @@ class ZmqTransport:
         """Dial ``peer`` at ``address``; the channel is usable at once (sends wait until the
         peer is heard). A second call for the same peer replaces the first link."""
         assert self._tg is not None, "start_in() first"
-        old = self.clients.pop(peer, None)
-        if old is not None:
-            await old.close()
-        key = self.server_keys.get(peer)
-        if (key is None) != (self.curve is None):
-            raise ConfigError(f"CurveZMQ to {peer!r} needs this node's keys and the peer's public key")
-        client = ZmqClient(self.node_id, address, peer, cfg=self.cfg, curve=self.curve, server_key=key)
+        await self.disconnect(peer)
+        key = self.keys.public.get(peer) if self.keys.curve is not None else None
+        if self.keys.curve is not None and key is None:
+            raise ConfigError(f"CurveZMQ to {peer!r} needs its public key")
+        client = ZmqClient(self.node_id, address, peer, cfg=self.cfg, curve=self.keys.curve, server_key=key)
         self.clients[peer] = client
         ch = await client.start_in(self._tg)
-        self._forwards.append(self._tg.create_task(self._forward(client)))  # fresh channels after a restart
+        self._forwards[peer] = self._tg.create_task(self._forward(client))  # fresh channels after a restart
         return ch
 
     async def accept(self) -> ZmqChannel:
@@ -433,12 +527,15 @@ class ZmqTransport:
 
     async def disconnect(self, peer: str) -> None:
         """Close the link to ``peer`` (its channel closes; the peer sees it go)."""
+        fwd = self._forwards.pop(peer, None)
+        if fwd is not None:
+            fwd.cancel()
         client = self.clients.pop(peer, None)
         if client is not None:
             await client.close()
 
     async def close(self) -> None:
-        for t in self._forwards:
+        for t in self._forwards.values():
             t.cancel()
         for c in self.clients.values():
             await c.close()

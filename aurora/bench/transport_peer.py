@@ -30,6 +30,7 @@ import xxhash
 
 from aurora.errors import AuroraError, TransportClosed
 from aurora.logs import configure
+from aurora.protocol.messages import Probe
 from aurora.transport.base import Channel
 from aurora.transport.bulk import receive_bulk, send_bulk
 from aurora.transport.zmq import LinkConfig, ZmqClient, ZmqServer
@@ -140,7 +141,7 @@ async def zmq_source(addr: str, payload: bytes, streams: int, webrtc: bool, rtc_
             clients = [ZmqClient(f"source.{i:03d}", addr, "sink", cfg=ZMQ_CFG) for i in range(streams)]
             chans = [await c.start_in(tg) for c in clients]
             for c in chans:  # wait until each link is up (not timed)
-                await c.send({"k": "hello"})
+                await c.send(Probe(note="hello"))
         t0 = time.perf_counter()
         await send_bulk(chans, payload)
         seconds = time.perf_counter() - t0

@@ -13,7 +13,7 @@ the tensors exactly as they were and raises `DeltaFormatError`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,8 +192,11 @@ class StagedDelta:
     def touched(self) -> set[str]:
         return {p.name for p in self.patches}
 
-    def commit(self, weights: Weights) -> set[str]:
-        """Apply in place; verify digests; restore and raise on mismatch. Returns touched names."""
+    def commit(self, weights: Weights, *, check: Callable[[Weights], None] | None = None) -> set[str]:
+        """Apply in place; verify digests; restore and raise on mismatch. Returns touched names.
+
+        ``check``, if given, runs on the result after the digests match; if it raises, the base is
+        restored too (a caller's own test of the result, e.g. a cryptographic hash)."""
         m = self.manifest
         undo: list[tuple[Patch, np.ndarray]] = []
         try:
@@ -214,6 +217,8 @@ class StagedDelta:
                     f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors differ from the "
                     f"target digests (first: {bad[0]!r}); the base was restored"
                 )
+            if check is not None:
+                check(weights)
         except BaseException:
             for p, old in reversed(undo):
                 dst = weights[p.name].bits

@@ -18,6 +18,7 @@ checks what spans objects, each error naming the path of the offending field:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,7 @@ from aurora.config.rl import (
 from aurora.config.strict import convert
 from aurora.errors import ConfigError
 from aurora.protocol.liveness import timing_problem
+from aurora.protocol.messages import NAME_PATTERN
 
 Role = Literal["trainer", "relay", "rollout"]
 AUTO = "auto"
@@ -108,6 +110,11 @@ class NodeSpec:
     """The node's own sending limit (default: its region's bandwidth)."""
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(NAME_PATTERN, self.name):
+            raise ConfigError(f"node name {self.name!r} must be letters, digits, '-', '_' or '.' (at most 64, "
+                              "starting with a letter or digit)", path="name")  # fmt: skip
+        if self.name == "operator":
+            raise ConfigError("'operator' is the name of the status key, not a node", path="name")
         if self.role == "trainer" and self.parent is not None:
             raise ConfigError("the trainer has no parent", path="parent")
         if self.role != "trainer" and self.parent is None:
@@ -164,6 +171,24 @@ class SyncSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KeysSpec:
+    """Where the topology's keys are (`aurora.auth.keys`): CurveZMQ pairs for every node, the
+    trainer's Ed25519 signing pair."""
+
+    dir: str | None = None
+    """A key directory, relative to the topology file: ``NODE.key``/``NODE.key_secret`` for every node,
+    ``TRAINER.sign_pub``/``TRAINER.sign`` for the trainer (``aurora keys generate --topology`` writes them)."""
+    signing_key: str | None = None
+    """The trainer's Ed25519 public key (64 hex digits), instead of ``TRAINER.sign_pub`` in ``dir``."""
+    signing_key_file: str | None = None
+    """On the trainer: its Ed25519 secret key (PEM), instead of ``TRAINER.sign`` in ``dir``."""
+
+    def __post_init__(self) -> None:
+        if self.dir is None and self.signing_key is None:
+            raise ConfigError("name a key directory (dir) or the trainer's signing_key", path="dir")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSpec:
     steps: int = 10
 
@@ -188,6 +213,8 @@ class Topology:
     """The learner: grpo, or synthetic (the default, a load generator)."""
     engine: EngineSpec | None = None
     """The rollout nodes' engine; None: rollout nodes only relay (no worker)."""
+    keys: KeysSpec | None = None
+    """CurveZMQ and signing keys (see also each node's ``public_key``/``secret_key_file``); None: no keys."""
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
@@ -290,9 +317,13 @@ def check(t: Topology, file: str | None = None) -> None:
                 raise fail(f"nodes[{i}].listen", f"{n.listen} is also nodes[{listen[n.listen]}].listen")
             listen[n.listen] = i
     keyed = [i for i, n in enumerate(t.nodes) if n.public_key is not None]
-    if keyed and len(keyed) != len(t.nodes):
+    if (keyed or t.keys is not None) and len(keyed) != len(t.nodes) and (t.keys is None or t.keys.dir is None):
         missing = next(i for i, n in enumerate(t.nodes) if n.public_key is None)
-        raise fail(f"nodes[{missing}].public_key", "CurveZMQ keys are set for some nodes: set them for every node")
+        raise fail(f"nodes[{missing}].public_key", "CurveZMQ keys are set for some nodes: set them for every node "
+                   "(or name a keys.dir that holds them)")  # fmt: skip
+    if keyed and t.keys is None:
+        raise fail("keys", "CurveZMQ keys need the trainer's signing key too: set keys.dir or keys.signing_key "
+                   "(`aurora keys generate --topology` writes a key directory)")  # fmt: skip
 
 
 def _unique(values: list[str], section: str, key: str, fail: Any) -> None:

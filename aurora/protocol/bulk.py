@@ -71,16 +71,6 @@ class BulkOffer:
         start = i * self.frame_bytes
         return start, min(self.size, start + self.frame_bytes)
 
-    def to_wire(self) -> dict[str, object]:
-        return {"id": self.id, "size": self.size, "frame_bytes": self.frame_bytes, "digest": self.digest}
-
-    @classmethod
-    def from_wire(cls, h: dict[str, object]) -> BulkOffer:
-        try:
-            return cls(str(h["id"]), int(h["size"]), int(h["frame_bytes"]), bytes(h["digest"]))  # type: ignore[call-overload]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(f"malformed bulk offer: {e}", remote=True) from e
-
 
 def to_ranges(indices: list[int]) -> list[list[int]]:
     """Sorted indices → half-open ``[start, end)`` ranges."""

@@ -1,13 +1,16 @@
 """Work leases: `LeaseTable` (coordinator side) and `LeaseHolder` (worker side).
 
-A work item is handed out as a `Lease` with a TTL and a *fencing token* (a
-number that only ever grows). The holder renews it while working and returns
-the result with the token.
+A work item is handed out as a `Lease` with a TTL and a *fencing token*: an
+opaque byte string minted fresh for every grant (by default a 16-byte counter
+that only grows; a coordinator facing the network mints 128 random bits, so a
+token cannot be guessed). The holder renews it while working and returns the
+result with the token.
 
 Invariants (each has a property test in tests/test_protocol_*.py):
 
 * At any instant an item has at most one valid lease: the table keeps one
-  current lease per item, and a grant or re-grant always mints a new token.
+  current lease per item, and a grant or re-grant always mints a new token
+  (a minted token that was ever used before is refused: `ValueError`).
 * A result is accepted only under the item's current, unexpired lease and
   from its holder; a late result from an expired or fenced holder is
   rejected, and an item is accepted at most once (``done``).
@@ -26,17 +29,31 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 Item = Hashable
+
+
+Token = bytes
+
+
+def counter_tokens(first: int = 1) -> Callable[[], Token]:
+    """A deterministic mint: 16-byte big-endian counts from ``first`` (sorted as they grow)."""
+    state = [first]
+
+    def mint() -> Token:
+        state[0] += 1
+        return (state[0] - 1).to_bytes(16, "big")
+
+    return mint
 
 
 @dataclass(frozen=True, slots=True)
 class Lease:
     item: Item
     worker: str
-    token: int
+    token: Token
     granted_at: float
     expires_at: float
 
@@ -60,7 +77,7 @@ class ResultAccepted:
 class ResultRejected:
     item: Item
     worker: str
-    token: int
+    token: Token
     reason: str
     """'expired', 'fenced', 'duplicate', 'unknown' or 'not-holder'."""
 
@@ -84,7 +101,7 @@ class LeaseTable:
         max_batch: int = 64,
         batch_s: float = 10.0,
         ema_alpha: float = 0.3,
-        first_token: int = 1,
+        mint: Callable[[], Token] | None = None,
     ) -> None:
         if ttl_s <= 0 or floor < 1 or max_batch < floor or not 0 < ema_alpha <= 1:
             raise ValueError("need ttl_s > 0, 1 <= floor <= max_batch, 0 < ema_alpha <= 1")
@@ -98,8 +115,10 @@ class LeaseTable:
         self._current: dict[Item, Lease] = {}
         self._done: set[Item] = set()
         self._workers: dict[str, _Worker] = {}
-        self._next_token = first_token
-        """Tokens only grow; a coordinator that restarts starts above its old ones (e.g. from the clock)."""
+        self._mint = mint or counter_tokens()
+        """Fresh tokens: a coordinator that restarts must not mint its old ones again (random ones do not)."""
+        self._past: dict[Item, set[Token]] = {}
+        """Per item still open, the tokens of its earlier leases (a result under one is 'fenced')."""
         self._events: list[LeaseEvent] = []
 
     # ------------------------------------------------------------------ inputs
@@ -127,14 +146,16 @@ class LeaseTable:
         out: list[Lease] = []
         while self._pool and len(out) < n:
             it = self._pool.popleft()
-            lease = Lease(it, worker, self._next_token, now, now + self.ttl_s)
-            self._next_token += 1
+            token = self._mint()
+            if token in self._past.get(it, ()):
+                raise ValueError("the token mint repeated a token")
+            lease = Lease(it, worker, token, now, now + self.ttl_s)
             self._current[it] = lease
             w.held.add(it)
             out.append(lease)
         return out
 
-    def renew(self, worker: str, tokens: Iterable[int], now: float) -> list[Lease]:
+    def renew(self, worker: str, tokens: Iterable[Token], now: float) -> list[Lease]:
         """Extend the named, still-valid leases of ``worker``; returns the renewed leases."""
         self.tick(now)
         wanted = set(tokens)
@@ -147,7 +168,7 @@ class LeaseTable:
                 out.append(new)
         return out
 
-    def complete(self, worker: str, item: Item, token: int, now: float) -> bool:
+    def complete(self, worker: str, item: Item, token: Token, now: float) -> bool:
         """Offer a result; True if accepted (see the invariants)."""
         self.tick(now)
         reason = self._reject_reason(worker, item, token, now)
@@ -156,6 +177,7 @@ class LeaseTable:
             return False
         lease = self._current.pop(item)
         self._done.add(item)
+        self._past.pop(item, None)
         w = self._workers[worker]
         w.held.discard(item)
         if w.last_accept is not None and now > w.last_accept:
@@ -167,23 +189,23 @@ class LeaseTable:
         self._events.append(ResultAccepted(lease, now))
         return True
 
-    def _reject_reason(self, worker: str, item: Item, token: int, now: float) -> str | None:
+    def _reject_reason(self, worker: str, item: Item, token: Token, now: float) -> str | None:
         if item in self._done:
             return "duplicate"
         if item not in self._known:
             return "unknown"
         cur = self._current.get(item)
         if cur is None:
-            return "expired"
+            return "expired" if token in self._past.get(item, ()) else "unknown"
         if cur.token != token:
-            return "fenced" if token < cur.token else "unknown"
+            return "fenced" if token in self._past.get(item, ()) else "unknown"
         if cur.worker != worker:
             return "not-holder"
         if now >= cur.expires_at:
             return "expired"
         return None
 
-    def release(self, worker: str, item: Item, token: int, now: float) -> bool:
+    def release(self, worker: str, item: Item, token: Token, now: float) -> bool:
         """Give ``item`` back (its result is unusable, e.g. too stale): if ``worker`` holds its current
         lease, the lease ends now and the item returns to the front of the pool, to be leased anew."""
         self.tick(now)
@@ -210,6 +232,7 @@ class LeaseTable:
 
     def _expire(self, it: Item, lease: Lease) -> None:
         del self._current[it]
+        self._past.setdefault(it, set()).add(lease.token)
         w = self._workers.get(lease.worker)
         if w is not None:
             w.held.discard(it)
@@ -289,7 +312,7 @@ class LeaseHolder:
             if lease.item in self._held and self._held[lease.item].lease.token == lease.token:
                 self.on_granted([Lease(lease.item, lease.worker, lease.token, now, now + lease.ttl_s)], now)
 
-    def renewals_due(self, now: float) -> list[int]:
+    def renewals_due(self, now: float) -> list[Token]:
         """Tokens to renew now (each asked once per lease period)."""
         out = []
         for it, h in self._held.items():

@@ -203,6 +203,11 @@ class PeerLiveness:
     def peer_incarnation(self, peer: str) -> int:
         return self._peers[peer].incarnation
 
+    def remote_incarnation(self, peer: str) -> int | None:
+        """The newest incarnation ``peer`` has announced (None: not watched, or not heard yet)."""
+        p = self._peers.get(peer)
+        return None if p is None or p.remote_incarnation < 0 else p.remote_incarnation
+
     @property
     def peers(self) -> list[str]:
         return list(self._peers)

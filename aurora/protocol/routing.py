@@ -110,6 +110,16 @@ class VersionRouter:
                 c.sent.add(index)
                 self._out.append(SendChunk(name, target, index))
 
+    def delta_abandoned(self, target: int) -> None:
+        """The in-flight delta to ``target`` will not complete here (its source is gone): forget it.
+        Children that were streamed part of it get it again whole with the next delta or catch-up."""
+        if self.inflight is None or self.inflight.target != target:
+            return
+        self.inflight, self.arrived = None, set()
+        for c in self.children.values():
+            if c.streaming == target:
+                c.streaming, c.sent = None, set()
+
     def version_committed(self, version: int) -> None:
         """This node now holds ``version`` (its in-flight delta committed, or it caught up)."""
         if self.latest is not None and version <= self.latest:

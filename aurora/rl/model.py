@@ -100,6 +100,11 @@ class Tokenizer:
         self.hf = hf
         self.eos_id = int(hf.eos_token_id)
         self.pad_id = int(hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
+        self.bos_id: int | None = None if hf.bos_token_id is None else int(hf.bos_token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
 
     @classmethod
     def for_model(cls, spec: ModelSpec) -> Tokenizer:
@@ -115,6 +120,16 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
+
+    def chat(self, text: str) -> list[int]:
+        """``text`` as one user turn through the model's chat template, ready for the assistant's reply."""
+        if not self.has_chat_template:
+            raise ConfigError("this model's tokenizer has no chat template (set task.chat: false)", path="task.chat")
+        ids = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)  # fmt: skip
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
 
 def init_model_dir(path: Path, preset: str = "tiny", seed: int = 0, max_positions: int = 256) -> Path:

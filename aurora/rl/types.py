@@ -1,17 +1,19 @@
-"""The RL data contract: a prompt, a sample, a prompt's group of samples (no torch here).
+"""The RL data contract: a prompt, a sample, a prompt's group of samples (plain values, no torch).
 
-`Prompt` is what the trainer's coordinator leases (its ``answer`` never leaves
-the trainer); `Completion` is what a rollout worker sends back: the prompt's
-token ids, its group of `Sample`s (token ids and their behaviour
-log-probabilities) and the weight version that made them. The wire form of a
-completion, and its validation, is `aurora.protocol.messages`.
+`Prompt` is what the trainer's coordinator leases: its text, the trainer's own
+tokenization of it (``tokens``: what workers generate from, and what the learner
+trains on), and the reference ``answer``, which never leaves the trainer.
+`Completion` is a prompt's group of `Sample`s (generated token ids and their
+behaviour log-probabilities) and the weight version that made them. Texts are
+decoded from token ids by whoever needs them; a worker's own text is never
+trusted. The wire form, with its validation, is `aurora.protocol.messages`.
+
+Every layer may import this module: it imports nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import msgpack
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +22,12 @@ class Prompt:
     text: str
     answer: str = ""
     """The reference answer: kept by the trainer, never sent to workers."""
+    tokens: tuple[int, ...] = ()
+    """The prompt as the trainer tokenized it (chat template included)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    text: str
     tokens: list[int]
     logprobs: list[float]
     """Per token: its log-probability under the behaviour (serving) weights at the sampling temperature."""
@@ -38,21 +41,3 @@ class Completion:
     prompt_tokens: list[int]
     samples: list[Sample]
     version: int
-
-    def to_wire(self) -> bytes:
-        return bytes(msgpack.packb([self.prompt_id, self.prompt_tokens, self.version,
-                                    [[s.text, s.tokens, s.logprobs] for s in self.samples]]))  # fmt: skip
-
-    @classmethod
-    def from_wire(cls, data: bytes | memoryview) -> Completion:
-        """Raises ValueError for anything but a well-formed completion (a worker's message is untrusted)."""
-        try:
-            pid, ptoks, version, samples = msgpack.unpackb(data)
-            out = cls(int(pid), [int(t) for t in ptoks],
-                      [Sample(str(t), [int(x) for x in toks], [float(x) for x in lps]) for t, toks, lps in samples],
-                      int(version))  # fmt: skip
-        except (TypeError, ValueError, msgpack.UnpackException) as e:
-            raise ValueError(f"malformed completion: {e!r}") from None
-        if not out.samples or any(len(s.tokens) != len(s.logprobs) or not s.tokens for s in out.samples):
-            raise ValueError("malformed completion: a sample without tokens, or tokens and log-probs differ in length")
-        return out

@@ -2,6 +2,19 @@
 
 from aurora.runtime.actor import Actor, ActorCell, ActorRef, Exit
 from aurora.runtime.clock import Clock, LoopClock, VirtualClock
+from aurora.runtime.groups import first_error, unwrap_group
 from aurora.runtime.supervisor import ChildSpec, Supervisor
 
-__all__ = ["Actor", "ActorCell", "ActorRef", "ChildSpec", "Clock", "Exit", "LoopClock", "Supervisor", "VirtualClock"]
+__all__ = [
+    "Actor",
+    "ActorCell",
+    "ActorRef",
+    "ChildSpec",
+    "Clock",
+    "Exit",
+    "LoopClock",
+    "Supervisor",
+    "VirtualClock",
+    "first_error",
+    "unwrap_group",
+]

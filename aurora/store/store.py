@@ -2,7 +2,7 @@
 
 Layout under the root::
 
-    store.json                          {"format": 1, "anchor_every": K}
+    store.json                          {"format": 1, "anchor_every": K, "run": "<hex>"}
     anchors/v00000012.safetensors       full snapshot of version 12
     deltas/v00000012-v00000013.audelta  delta file (docs/delta-format.md)
     versions/v00000013.json             metadata; written last, so it is the commit point
@@ -10,12 +10,18 @@ Layout under the root::
 Invariants: a version is present iff its metadata file is; every present
 version can be rebuilt from an anchor at or below it plus present deltas;
 every write is atomic (`aurora.store.atomic`), so a crash leaves the old or
-the new state. Reading a version checks its digest.
+the new state. Reading a version checks its digest. Metadata is read as
+untrusted: a ``file`` must be the one path its version and kind allow (inside
+the store), so nothing a metadata file says can make the store read or delete
+elsewhere. A version's seal (`aurora.auth.seal`), when it has one, is kept in
+its metadata; every error names the file it is about.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +30,8 @@ import torch
 
 from aurora.codec import Delta, EncodeStats, Manifest, Weights, apply, encode
 from aurora.codec.container import load_delta_file, write_delta
-from aurora.errors import CheckpointError, StoreError
+from aurora.errors import CheckpointError, DeltaFormatError, StoreError
+from aurora.protocol.messages import SealWire
 from aurora.store.atomic import atomic_writer, write_bytes
 from aurora.store.checkpoint import load_checkpoint
 
@@ -43,6 +50,30 @@ class VersionInfo:
     file: str
     """Path relative to the store root."""
     nbytes: int
+    seal: str | None = None
+    """The version's seal, hex: its body, a colon, its signature (None: stored without one)."""
+
+    def check(self, where: Path) -> None:
+        """The metadata is what this store writes (it is read from disk, so it is not trusted)."""
+        if self.kind == "anchor" and self.parent is None:
+            want = f"anchors/v{self.version:08d}.safetensors"
+        elif self.kind == "delta" and isinstance(self.parent, int) and 0 <= self.parent < self.version:
+            want = f"deltas/v{self.parent:08d}-v{self.version:08d}.audelta"
+        else:
+            raise StoreError(f"{where}: version metadata of an unknown kind {self.kind!r} (parent {self.parent!r})")
+        if self.file != want:
+            raise StoreError(f"{where}: names the file {self.file!r}, which is not its version's ({want})")
+        if not re.fullmatch(r"[0-9a-f]{32}", self.digest):
+            raise StoreError(f"{where}: the digest is not 32 hex digits")
+
+    def seal_wire(self) -> SealWire | None:
+        if self.seal is None:
+            return None
+        body, _, sig = self.seal.partition(":")
+        try:
+            return SealWire(bytes.fromhex(body), bytes.fromhex(sig))
+        except ValueError:
+            raise StoreError(f"version {self.version}'s stored seal is not hex") from None
 
 
 class DeltaStore:
@@ -62,11 +93,17 @@ class DeltaStore:
                 if doc["format"] != STORE_FORMAT:
                     raise StoreError(f"{cfg}: store format {doc['format']} is not supported")
                 self.anchor_every = int(doc["anchor_every"])
-            except (ValueError, KeyError, TypeError) as e:
+                self.run = bytes.fromhex(doc.get("run") or secrets.token_hex(16))
+                if self.anchor_every < 1 or len(self.run) != 16:
+                    raise ValueError("anchor_every < 1 or a run id that is not 16 bytes")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise StoreError(f"{cfg}: unreadable store config: {e}") from None
         else:
             self.anchor_every = anchor_every
-            write_bytes(cfg, json.dumps({"format": STORE_FORMAT, "anchor_every": anchor_every}).encode())
+            self.run = secrets.token_bytes(16)
+            """The run these versions belong to (the trainer's seals name it)."""
+            write_bytes(cfg, json.dumps({"format": STORE_FORMAT, "anchor_every": anchor_every,
+                                         "run": self.run.hex()}).encode())  # fmt: skip
 
     # ------------------------------------------------------------------ listing
     def _meta_path(self, v: int) -> Path:
@@ -93,12 +130,23 @@ class DeltaStore:
             return known
         p = self._meta_path(v)
         try:
-            info = self._infos[v] = VersionInfo(**json.loads(p.read_text()))
-            return info
+            doc = json.loads(p.read_text())
+            if not isinstance(doc, dict):
+                raise TypeError("not a JSON object")
+            info = VersionInfo(**doc)
         except FileNotFoundError:
             raise StoreError(f"version {v} is not in the store at {self.root}") from None
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OSError) as e:
             raise StoreError(f"{p}: unreadable version metadata: {e}") from None
+        if info.version != v:
+            raise StoreError(f"{p}: holds the metadata of version {info.version}")
+        info.check(p)
+        self._infos[v] = info
+        return info
+
+    def seal(self, v: int) -> SealWire | None:
+        """Version ``v``'s stored seal (None: stored without one)."""
+        return self.info(v).seal_wire()
 
     # ------------------------------------------------------------------ writing
     def _commit(self, info: VersionInfo) -> VersionInfo:
@@ -106,16 +154,16 @@ class DeltaStore:
         self._infos[info.version] = info
         return info
 
-    def put_anchor(self, version: int, weights: Weights) -> VersionInfo:
+    def put_anchor(self, version: int, weights: Weights, *, seal: SealWire | None = None) -> VersionInfo:
         rel = f"anchors/v{version:08d}.safetensors"
         dest = self.root / rel
         from safetensors.torch import save
 
         data = save({k: v.contiguous() for k, v in weights.to_tensors().items()}, metadata={"version": str(version)})
         write_bytes(dest, data)
-        return self._commit(VersionInfo(version, weights.digest().hex(), "anchor", None, rel, len(data)))
+        return self._commit(VersionInfo(version, weights.digest().hex(), "anchor", None, rel, len(data), _hex(seal)))
 
-    def put_delta(self, manifest: Manifest, chunks: Iterable[bytes]) -> VersionInfo:
+    def put_delta(self, manifest: Manifest, chunks: Iterable[bytes], *, seal: SealWire | None = None) -> VersionInfo:
         """Store a delta whose base version is present (as produced, or as received and verified)."""
         if manifest.base_version is None or manifest.base_version not in self:
             raise StoreError(
@@ -129,7 +177,7 @@ class DeltaStore:
         with atomic_writer(self.root / rel) as f:
             n = write_delta(f, manifest, chunks)
         info = VersionInfo(
-            manifest.target_version, manifest.target_digest.hex(), "delta", manifest.base_version, rel, n
+            manifest.target_version, manifest.target_digest.hex(), "delta", manifest.base_version, rel, n, _hex(seal)
         )
         return self._commit(info)
 
@@ -158,22 +206,31 @@ class DeltaStore:
         chain = [self.info(v)]
         while chain[-1].kind != "anchor":
             parent = chain[-1].parent
-            assert parent is not None
+            assert parent is not None  # `VersionInfo.check`: a delta has a parent below it
             chain.append(self.info(parent))
         return chain[::-1]
 
     def get(self, v: int) -> Weights:
-        """Version ``v`` rebuilt from its anchor plus deltas; its digest is checked."""
+        """Version ``v`` rebuilt from its anchor plus deltas; its digest is checked. A `StoreError`
+        names the file that is missing, unreadable or wrong."""
         chain = self._chain(v)
+        first = self.root / chain[0].file
         try:
-            w = Weights.from_tensors(load_checkpoint(self.root / chain[0].file))
+            w = Weights.from_tensors(load_checkpoint(first))
         except CheckpointError as e:
             raise StoreError(f"anchor of v{chain[0].version} is unreadable: {e}") from None
+        if w.digest().hex() != chain[0].digest:
+            raise StoreError(f"{first}: does not match the digest recorded for version {chain[0].version}")
         for info in chain[1:]:
-            m, chunks = load_delta_file(self.root / info.file)
-            w = apply(w, m, chunks)
+            path = self.root / info.file
+            try:
+                m, chunks = load_delta_file(path)
+                w = apply(w, m, chunks)
+            except DeltaFormatError as e:
+                raise StoreError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
         if w.digest().hex() != chain[-1].digest:
-            raise StoreError(f"version {v} rebuilt from the store does not match its recorded digest")
+            raise StoreError(f"{self.root / chain[-1].file}: version {v} rebuilt from the store does not match its "
+                             "recorded digest")  # fmt: skip
         return w
 
     def get_state_dict(self, v: int) -> dict[str, torch.Tensor]:
@@ -196,14 +253,27 @@ class DeltaStore:
         if keep_last < 1 or len(vs) <= keep_last:
             return []
         kept = set(vs[-keep_last:])
-        needed = {i.version for v in kept for i in self._chain(v)}
+        needed: set[int] = set()
+        for v in kept:
+            try:
+                needed |= {i.version for i in self._chain(v)}
+            except StoreError:
+                needed.add(v)  # unreadable: left as it is (`latest_usable` skips it)
         dropped = []
         for v in vs:
             if v in needed:
                 continue
-            info = self.info(v)
+            try:
+                file: Path | None = self.root / self.info(v).file
+            except StoreError:
+                file = None  # metadata that names no file of this store: only the metadata goes
             self._infos.pop(v, None)
             self._meta_path(v).unlink()  # the commit point goes first
-            (self.root / info.file).unlink(missing_ok=True)
+            if file is not None:
+                file.unlink(missing_ok=True)
             dropped.append(v)
         return dropped
+
+
+def _hex(seal: SealWire | None) -> str | None:
+    return None if seal is None else f"{seal.body.hex()}:{seal.sig.hex()}"

@@ -13,6 +13,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from aurora.errors import TransportClosed
+from aurora.protocol.messages import Probe
 from aurora.transport.base import Channel, FrameTooLarge
 
 
@@ -38,13 +39,13 @@ async def check_ordering(link: LinkFactory, n: int = 500) -> None:
 
         async def produce() -> None:
             for i in range(n):
-                await p.a.send({"i": i}, i.to_bytes(4, "little"))
+                await p.a.send(Probe(i=i), i.to_bytes(4, "little"))
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(produce())
             for i in range(n):
                 m = await p.b.recv()
-                assert m.header["i"] == i, (m.header, i)
+                assert m.msg == Probe(i=i), (m.msg, i)
                 assert bytes(m.buffers[0]) == i.to_bytes(4, "little")
 
 
@@ -52,13 +53,13 @@ async def check_large_messages(link: LinkFactory) -> None:
     async with link() as p:
         size = min(p.max_frame_bytes, 16 * 1024 * 1024)
         blob = bytes(range(256)) * (size // 256)
-        await p.a.send({"what": "blob"}, blob, b"tail")
+        await p.a.send(Probe(note="blob"), blob, b"tail")
         m = await p.b.recv()
-        assert m.header == {"what": "blob"}
+        assert m.msg == Probe(note="blob")
         assert bytes(m.buffers[0]) == blob
         assert bytes(m.buffers[1]) == b"tail"
         try:
-            await p.a.send({}, bytes(p.max_frame_bytes + 1))
+            await p.a.send(Probe(), bytes(p.max_frame_bytes + 1))
         except FrameTooLarge:
             pass
         else:
@@ -69,16 +70,16 @@ async def check_close_both_directions(link: LinkFactory) -> None:
     for closer in ("a", "b"):
         async with link() as p:
             x, y = (p.a, p.b) if closer == "a" else (p.b, p.a)
-            await x.send({"last": True})
+            await x.send(Probe(note="last"))
             await x.close("done here")
-            assert (await y.recv()).header == {"last": True}  # what was sent before close arrives
+            assert (await y.recv()).msg == Probe(note="last")  # what was sent before close arrives
             try:
                 await asyncio.wait_for(y.recv(), 5)
             except TransportClosed as e:
                 assert "done here" in str(e)  # noqa: PT017  # product code: no pytest here
             else:
                 raise AssertionError("recv after the peer closed returned a message")
-            for f in (x.send({}), x.recv()):
+            for f in (x.send(Probe()), x.recv()):
                 try:
                     await f
                 except TransportClosed:
@@ -106,7 +107,7 @@ async def check_backpressure(link: LinkFactory) -> None:
         async def flood() -> None:
             nonlocal sent
             while True:
-                await p.a.send({"i": sent}, b"x" * 1024)
+                await p.a.send(Probe(i=sent), b"x" * 1024)
                 sent += 1
 
         task = asyncio.ensure_future(flood())
@@ -127,8 +128,8 @@ async def check_backpressure(link: LinkFactory) -> None:
 
 async def check_reconnect(link: LinkFactory) -> None:
     async with link() as p:
-        await p.a.send({"before": True})
-        assert (await p.b.recv()).header == {"before": True}
+        await p.a.send(Probe(note="before"))
+        assert (await p.b.recv()).msg == Probe(note="before")
         a2, b2 = await asyncio.wait_for(p.restart_b(), p.lost_after_s * 3 + 10)
         try:
             await asyncio.wait_for(p.a.recv(), p.lost_after_s * 3 + 2)
@@ -138,10 +139,10 @@ async def check_reconnect(link: LinkFactory) -> None:
             raise AssertionError("the channel to b's old incarnation still delivered a message")
         for x, y in ((a2, b2), (b2, a2)):
             for i in range(3):
-                await x.send({"i": i}, b"z" * (i + 1))
+                await x.send(Probe(i=i), b"z" * (i + 1))
             for i in range(3):
                 m = await asyncio.wait_for(y.recv(), 10)
-                assert m.header == {"i": i}
+                assert m.msg == Probe(i=i)
                 assert bytes(m.buffers[0]) == b"z" * (i + 1)
 
 

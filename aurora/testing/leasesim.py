@@ -40,7 +40,7 @@ class Granted:
 
 @dataclass(frozen=True, slots=True)
 class Renew:
-    tokens: tuple[int, ...]
+    tokens: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class Renewed:
 @dataclass(frozen=True, slots=True)
 class Result:
     item: Any
-    token: int
+    token: bytes
 
 
 @dataclass(slots=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping
 from typing import Any
 
 from aurora.errors import TransportClosed
+from aurora.protocol.messages import BadMessage, decode_app
 from aurora.runtime.actor import Credits
 from aurora.testing.simnet import Faults
 from aurora.transport.base import Message
@@ -99,24 +99,38 @@ class MemoryNetwork:
 class MemoryChannel(ChannelBase):
     """An in-process `Channel` (aurora.transport.base) with the same flow-control rules.
 
-    Buffers are copied on send, as a real link would, so a sender may reuse its buffers.
+    Every message is encoded and decoded as on a real link (a message the receiver's
+    decoder refuses is its peer's fault there too), and buffers are copied on send, as a
+    real link would, so a sender may reuse its buffers.
     """
 
     def __init__(self, peer: str, window: int, max_frame_bytes: int) -> None:
         super().__init__(peer, window, max_frame_bytes)
         self.other: MemoryChannel | None = None
 
-    async def _transmit(self, header: Mapping[str, Any], buffers: tuple[bytes | memoryview, ...]) -> None:
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
         other = self.other
         if other is None:
             raise TransportClosed(f"channel to {self.peer!r} has no peer")
-        other._deliver(Message(dict(header), tuple(memoryview(bytes(b)) for b in buffers)))
+        other.arrive(header, tuple(memoryview(bytes(b)) for b in buffers))
+
+    def arrive(self, header: bytes | memoryview, buffers: tuple[memoryview, ...]) -> None:
+        """Bytes from the peer, as a real link's receive path gets them: decoded, or the peer's fault."""
+        try:
+            msg = decode_app(header, buffers)
+        except BadMessage as e:
+            self.fault(e.reason)
+            return
+        self._deliver(Message(msg, buffers))
 
     def _report_read(self, total: int) -> None:
         if self.other is not None:
             self.other._peer_read(total)
 
     async def _send_close(self, reason: str) -> None:
+        self._notify_close(reason)
+
+    def _notify_close(self, reason: str) -> None:
         if self.other is not None:
             self.other._shut(reason)
 

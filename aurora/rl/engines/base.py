@@ -29,6 +29,7 @@ import structlog
 
 from aurora.codec import Weights
 from aurora.errors import DeltaFormatError, ProtocolError
+from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt
 
 log = structlog.get_logger("aurora.rl.engines")
@@ -56,6 +57,12 @@ class Engine(Protocol):
     def weights(self) -> Weights:
         """The effective weights, read back from the engine."""
         ...
+
+
+def prompt_ids(p: Prompt, tok: Tokenizer) -> list[int]:
+    """The token ids an engine generates from: the trainer's (``p.tokens``), or the engine's own
+    encoding of the text where a prompt carries none (local use, tests)."""
+    return list(p.tokens) if p.tokens else tok.encode(p.text)
 
 
 def sample_seed(seed: int, version: int, ids: Sequence[int]) -> int:

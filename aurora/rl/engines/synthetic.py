@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 from aurora.codec import Weights
 from aurora.config.rl import EngineSpec, ModelSpec
 from aurora.errors import ProtocolError
-from aurora.rl.engines.base import VerifiedApply
+from aurora.rl.engines.base import VerifiedApply, prompt_ids
 from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt, Sample
 
@@ -18,7 +18,7 @@ class SyntheticEngine(VerifiedApply):
 
     It keeps its own copy of the weights (applied and verified exactly as `TorchEngine`
     does: touched tensors copied, digest checked, full reload on a mismatch) but does not
-    run a model: every sample is the prompt's characters reversed, ``max_new_tokens``
+    run a model: every sample is the prompt's tokens reversed, ``max_new_tokens``
     long at most, each token with log-probability 0, after ``token_s`` seconds per token."""
 
     def __init__(self, spec: EngineSpec) -> None:
@@ -48,7 +48,8 @@ class SyntheticEngine(VerifiedApply):
             time.sleep(self.spec.token_s * k)
         out = []
         for p in prompts:
-            toks = self.tok.encode(p.text[::-1])[1 : k + 1] or [self.tok.eos_id]
-            sample = Sample(self.tok.decode(toks), toks, [0.0] * len(toks))
-            out.append(Completion(p.id, self.tok.encode(p.text), [sample] * n, version))
+            ids = prompt_ids(p, self.tok)
+            toks = [t for t in reversed(ids) if t != self.tok.bos_id][:k] or [self.tok.eos_id]
+            sample = Sample(toks, [0.0] * len(toks))
+            out.append(Completion(p.id, ids, [sample] * n, version))
         return out

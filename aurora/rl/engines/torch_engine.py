@@ -10,7 +10,7 @@ import torch
 from aurora.codec import Weights
 from aurora.config.rl import EngineSpec
 from aurora.errors import DeltaFormatError
-from aurora.rl.engines.base import VerifiedApply, WeightUpdate, sample_seed
+from aurora.rl.engines.base import VerifiedApply, WeightUpdate, prompt_ids, sample_seed
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.types import Completion, Prompt, Sample
 
@@ -54,9 +54,9 @@ class TorchEngine(VerifiedApply):
         if not prompts:
             return []
         gen = torch.Generator().manual_seed(sample_seed(self.spec.seed, version, [p.id for p in prompts]))
-        encoded = [self.tok.encode(p.text) for p in prompts]
+        encoded = [prompt_ids(p, self.tok) for p in prompts]
         toks, lps = self._sample([ids for ids in encoded for _ in range(n)], gen)
-        samples = [Sample(self.tok.decode(t), t, lp) for t, lp in zip(toks, lps, strict=True)]
+        samples = [Sample(t, lp) for t, lp in zip(toks, lps, strict=True)]
         return [Completion(p.id, ids, samples[i * n : i * n + n], version)
                 for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True))]  # fmt: skip
 

@@ -49,7 +49,7 @@ import torch
 from aurora.codec import Weights
 from aurora.config.rl import EngineSpec
 from aurora.errors import ConfigError, DeltaFormatError
-from aurora.rl.engines.base import VerifiedApply, sample_seed
+from aurora.rl.engines.base import VerifiedApply, prompt_ids, sample_seed
 from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt, Sample
 
@@ -225,7 +225,7 @@ class VllmEngine(VerifiedApply):
         self._serving(version)
         if not prompts:
             return []
-        encoded = [self.tok.encode(p.text) for p in prompts]
+        encoded = [prompt_ids(p, self.tok) for p in prompts]
         # vLLM refuses n > 1 with greedy sampling: then each of the n samples is its own request
         per, reps = (n, 1) if self.spec.temperature > 0 else (1, n)
         params = [
@@ -251,6 +251,6 @@ class VllmEngine(VerifiedApply):
                     toks = list(o.token_ids)
                     per_token = cast(list[dict[int, Any]], o.logprobs or [])
                     lps = [float(d[t].logprob) for t, d in zip(toks, per_token, strict=True)]
-                    samples.append(Sample(self.tok.decode(toks), toks, lps))
+                    samples.append(Sample(toks, lps))
             result.append(Completion(p.id, ids, samples, version))
         return result

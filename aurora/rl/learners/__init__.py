@@ -10,12 +10,13 @@ from aurora.rl.tasks import Task
 
 
 def make_learner(spec: LearnerSpec, *, model: ModelSpec | None, task: Task, temperature: float,
-                 checkpoint_dir: Path | None) -> Learner:  # fmt: skip
+                 checkpoint_dir: Path | None, chat: bool = False) -> Learner:  # fmt: skip
     """The learner ``spec`` describes (``model``: the topology's, paths resolved)."""
     if isinstance(spec, GrpoSpec):
         from aurora.rl.learners.grpo import GrpoLearner
 
-        return GrpoLearner(spec, model or ModelSpec(), task, temperature=temperature, checkpoint_dir=checkpoint_dir)
+        return GrpoLearner(spec, model or ModelSpec(), task, temperature=temperature, checkpoint_dir=checkpoint_dir,
+                           chat=chat)  # fmt: skip
     from aurora.rl.learners.synthetic import SyntheticLearner
 
     return SyntheticLearner(spec)

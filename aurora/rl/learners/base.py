@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from aurora.codec import Weights
+from aurora.rl.types import Prompt
 
 
 class Learner(Protocol):
@@ -35,4 +36,13 @@ class Learner(Protocol):
 
     def restore(self, weights: Weights, version: int) -> None:
         """Continue from ``version`` (read back from the store after a restart)."""
+        ...
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        """The prompt's token ids: what workers generate from and what the learner trains on."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """A result's token ids lie in [0, vocab_size)."""
         ...

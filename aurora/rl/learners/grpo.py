@@ -34,6 +34,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from aurora.codec import Weights
 from aurora.config.rl import GrpoSpec, ModelSpec
-from aurora.errors import ConfigError
+from aurora.errors import ConfigError, LearnerError
 from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.tasks import Task
@@ -53,17 +54,44 @@ log = structlog.get_logger("aurora.grpo")
 
 
 Batch = Sequence[tuple[Prompt, Completion]]
+_Row = tuple[Sequence[int], Sequence[int], float, Sequence[float]]
+"""A training row: prompt tokens, response tokens, advantage, behaviour log-probs."""
+
+
+@dataclass(slots=True)
+class _Scored:
+    rewards: list[float]
+    correct: list[bool]
+    rows: list[_Row]
+    train: bool
+    """False: a flat group, skipped."""
+
+
+@dataclass(slots=True)
+class _Trained:
+    losses: list[float] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+    clipped: list[float] = field(default_factory=list)
+    grad_norm: float | None = 0.0
+    """The last finite one (0.0 when nothing was trained)."""
+    skipped: int = 0
+    """Epochs skipped for a non-finite loss or gradient norm."""
+
+
+def _mean(xs: list[float], digits: int) -> float | None:
+    return round(sum(xs) / len(xs), digits) if xs else None
 
 
 class GrpoLearner:
     """See the module docstring. Not thread-safe: one caller (the trainer's publisher)."""
 
     def __init__(self, spec: GrpoSpec, model: ModelSpec, task: Task, *, temperature: float,
-                 checkpoint_dir: Path | None = None) -> None:  # fmt: skip
+                 checkpoint_dir: Path | None = None, chat: bool = False) -> None:  # fmt: skip
         if temperature <= 0:
             raise ConfigError("GRPO needs sampled rollouts: engine.temperature must be > 0", path="engine.temperature")
         self.spec = spec
         self.task = task
+        self.chat = chat
         self.temperature = temperature
         self.checkpoint_dir = checkpoint_dir
         self.tok = Tokenizer.for_model(model)
@@ -87,8 +115,24 @@ class GrpoLearner:
 
     # -- versions
     def weights(self) -> Weights:
+        """The bf16 cast of the master weights: the next version. Raises `LearnerError` rather than
+        return one with a non-finite value."""
         with torch.no_grad():
-            return Weights.from_tensors({n: p.detach().to(torch.bfloat16) for n, p in self.params.items()})
+            cast = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
+            bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise LearnerError(f"version {self.version} would hold non-finite values (first in {bad[0]!r}); "
+                               "not published")  # fmt: skip
+        return Weights.from_tensors(cast)
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        """The prompt's token ids, as workers generate from them and the learner trains on them."""
+        return tuple(self.tok.chat(prompt.text) if self.chat else self.tok.encode(prompt.text))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a result may hold: the model's embedding rows."""
+        return int(self.model.get_input_embeddings().num_embeddings)
 
     def initial(self) -> Weights:
         if self.spec.warm_start_steps:
@@ -137,9 +181,10 @@ class GrpoLearner:
             batch = [next(prompts) for _ in range(spec.warm_start_batch)]
             seqs, starts = [], []
             for p in batch:
-                prompt = self.tok.encode(p.text)
+                prompt = list(self.tokenize(p))
                 starts.append(len(prompt))
-                seqs.append(prompt + self.tok.encode(p.answer)[1:] + [self.tok.eos_id])
+                answer = self.tok.hf(p.answer, add_special_tokens=False)["input_ids"]
+                seqs.append(prompt + list(answer) + [self.tok.eos_id])
             ids, mask, targets = self._pack(seqs, starts)
             logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -166,59 +211,31 @@ class GrpoLearner:
 
     # -- RL step
     def step(self, batch: Batch = ()) -> Weights:
+        """Score, normalise within groups, train ``epochs`` AdamW steps, return the next version.
+
+        A step whose loss or gradient norm is not finite changes nothing (counted in the stats as
+        ``nonfinite_skipped``); a version with a non-finite value is never returned (`LearnerError`)."""
         t0 = time.monotonic()
-        seqs, starts, adv_rows, old_rows = [], [], [], []
-        rewards, correct, stale = [], [], []
-        skipped = 0
-        for prompt, comp in batch:
-            scores = [self.task.score(prompt.answer, s.text) for s in comp.samples]
-            r = torch.tensor([s.reward for s in scores])
-            rewards += r.tolist()
-            correct += [s.correct for s in scores]
-            stale.append(self.version - comp.version)
-            adv, std = group_advantages(r)  # all 0 for a flat group
-            if std < 1e-6 and self.spec.skip_flat_groups:
-                skipped += 1
-                continue
-            for s, a in zip(comp.samples, adv.tolist(), strict=True):
-                seqs.append(comp.prompt_tokens + s.tokens)
-                starts.append(len(comp.prompt_tokens))
-                adv_rows.append(a)
-                old_rows.append(s.logprobs)
-        losses, kls, clipped, grad_norm = [], [], [], 0.0
-        if seqs:
-            ids, mask, targets = self._pack(seqs, starts)
-            old = torch.zeros_like(targets)
-            for i, (lps, start) in enumerate(zip(old_rows, starts, strict=True)):
-                old[i, start - 1 : start - 1 + len(lps)] = torch.tensor(lps)
-            adv = torch.tensor(adv_rows)[:, None]
-            ref_logp = self._logp(self.ref, ids, mask).detach() if self.ref is not None else None
-            for _ in range(self.spec.epochs):
-                logp = self._logp(self.model, ids, mask)
-                loss, ratio = clipped_surrogate(logp, old, adv, targets, self.spec.clip_eps)
-                if ref_logp is not None:
-                    kl = k3_kl(ref_logp, logp, targets)
-                    loss = loss + self.spec.kl_coef * kl
-                    kls.append(float(kl.detach()))
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[no-untyped-call]
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
-                self.opt.step()
-                losses.append(float(loss.detach()))
-                clipped.append(clip_fraction(ratio, targets, self.spec.clip_eps))
+        scored = [self._score(prompt, comp) for prompt, comp in batch]
+        rows = [row for sc in scored if sc.train for row in sc.rows]
+        train = self._train(rows) if rows else _Trained()
         self.version += 1
+        rewards = [r for sc in scored for r in sc.rewards]
         n = max(1, len(rewards))
+        stale = [self.version - 1 - comp.version for _, comp in batch]
         self.stats = {
-            "reward": round(sum(rewards) / n, 4), "accuracy": round(sum(correct) / n, 4),
-            "groups": len(batch), "groups_skipped": skipped, "samples": len(rewards),
+            "reward": round(sum(rewards) / n, 4), "accuracy": round(sum(c for sc in scored for c in sc.correct) / n, 4),
+            "groups": len(batch), "groups_skipped": sum(not sc.train for sc in scored), "samples": len(rewards),
             "tokens": int(sum(len(s.tokens) for _, c in batch for s in c.samples)),
-            "loss": round(sum(losses) / len(losses), 5) if losses else None,
-            "kl": round(sum(kls) / len(kls), 6) if kls else None,
-            "clip_frac": round(sum(clipped) / len(clipped), 4) if clipped else None,
-            "grad_norm": round(grad_norm, 4) if math.isfinite(grad_norm) else None,
+            "loss": _mean(train.losses, 5), "kl": _mean(train.kls, 6), "clip_frac": _mean(train.clipped, 4),
+            "grad_norm": round(train.grad_norm, 4) if train.grad_norm is not None else None,
+            "nonfinite_skipped": train.skipped,
             "staleness": round(sum(stale) / len(stale), 3) if stale else None,
             "learn_s": round(time.monotonic() - t0, 4),
         }  # fmt: skip
+        if train.skipped:
+            log.warning("learner_step_skipped", version=self.version, epochs=train.skipped,
+                        why="the loss or the gradient norm was not finite; the weights were left as they were")  # fmt: skip
         if (
             self.checkpoint_dir is not None
             and self.spec.checkpoint_every
@@ -226,6 +243,49 @@ class GrpoLearner:
         ):
             self.save_checkpoint(self.version)
         return self.weights()
+
+    def _score(self, prompt: Prompt, comp: Completion) -> _Scored:
+        """Rewards from the tokens the learner trains on (decoded here, never a worker's text), and
+        each sample's training row: prompt and response tokens, advantage, behaviour log-probs."""
+        scores = [self.task.score(prompt.answer, self.tok.decode(s.tokens)) for s in comp.samples]
+        r = torch.tensor([sc.reward for sc in scores])
+        adv, std = group_advantages(r)  # all 0 for a flat group
+        rows: list[_Row] = [(comp.prompt_tokens, s.tokens, float(a), s.logprobs)
+                            for s, a in zip(comp.samples, adv.tolist(), strict=True)]  # fmt: skip
+        return _Scored(r.tolist(), [sc.correct for sc in scores], rows, std >= 1e-6 or not self.spec.skip_flat_groups)
+
+    def _train(self, rows: list[_Row]) -> _Trained:
+        seqs = [list(pt) + list(st) for pt, st, _, _ in rows]
+        starts = [len(pt) for pt, _, _, _ in rows]
+        ids, mask, targets = self._pack(seqs, starts)
+        old = torch.zeros_like(targets)
+        for i, ((_, _, _, lps), start) in enumerate(zip(rows, starts, strict=True)):
+            old[i, start - 1 : start - 1 + len(lps)] = torch.tensor(lps)
+        adv = torch.tensor([a for _, _, a, _ in rows])[:, None]
+        ref_logp = self._logp(self.ref, ids, mask).detach() if self.ref is not None else None
+        out = _Trained()
+        for _ in range(self.spec.epochs):
+            logp = self._logp(self.model, ids, mask)
+            loss, ratio = clipped_surrogate(logp, old, adv, targets, self.spec.clip_eps)
+            if ref_logp is not None:
+                kl = k3_kl(ref_logp, logp, targets)
+                loss = loss + self.spec.kl_coef * kl
+                out.kls.append(float(kl.detach()))
+            self.opt.zero_grad(set_to_none=True)
+            if not bool(torch.isfinite(loss)):
+                out.skipped += 1
+                continue
+            loss.backward()  # type: ignore[no-untyped-call]
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
+            if not math.isfinite(norm):
+                self.opt.zero_grad(set_to_none=True)
+                out.skipped += 1
+                continue
+            self.opt.step()
+            out.grad_norm = norm
+            out.losses.append(float(loss.detach()))
+            out.clipped.append(clip_fraction(ratio, targets, self.spec.clip_eps))
+        return out
 
     def _logp(self, model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Log-probability of each next token at the sampling temperature, shape [batch, len-1]."""

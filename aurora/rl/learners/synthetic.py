@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from aurora.codec import Weights
-from aurora.config.rl import SyntheticSpec
+from aurora.config.rl import ModelSpec, SyntheticSpec
 from aurora.errors import ConfigError
-from aurora.rl.model import build_model, parameters
+from aurora.rl.model import VOCAB_SIZE, Tokenizer, build_model, parameters
+from aurora.rl.types import Prompt
 
 
 class SyntheticLearner:
@@ -37,8 +38,12 @@ class SyntheticLearner:
         )
         self.stats: dict[str, Any] = {}
         self.rng = np.random.default_rng(spec.seed)
+        self.tok = Tokenizer.for_model(spec.model or ModelSpec())
+        self._vocab = VOCAB_SIZE
         if spec.model is not None:
-            params = parameters(build_model(spec.model))
+            model = build_model(spec.model)
+            self._vocab = int(model.get_input_embeddings().num_embeddings)
+            params = parameters(model)
             self._bits = {n: t.reshape(-1).view(torch.int16).numpy().view(np.uint16).copy() for n, t in params.items()}
             self._shapes = {n: tuple(t.shape) for n, t in params.items()}
             return
@@ -50,6 +55,13 @@ class SyntheticLearner:
             for i in range(spec.tensors)
         }
         self._shapes = {n: (b.size,) for n, b in self._bits.items()}
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        return tuple(self.tok.encode(prompt.text))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
 
     def _weights(self) -> Weights:
         return Weights.from_tensors({k: _as_bf16(v).reshape(self._shapes[k]) for k, v in self._bits.items()})

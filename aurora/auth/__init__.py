@@ -1,0 +1,1 @@
+"""Authentication: key files, and the trainer's seals on weight versions."""

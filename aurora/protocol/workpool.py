@@ -1,0 +1,271 @@
+"""`WorkPool`: the trainer's coordinator as a value — leasing, staleness, parking, and result rules.
+
+Inputs (each with ``now``): `want` (a worker can take prompts, generating with a
+version), `renew`, `result`, `take` (the learner wants a batch), `expire`.
+Outputs: what each call returns (grants, verdicts as values, a batch or None),
+`events()` (lease expiries), `next_deadline()`. No clock, no I/O, no logging:
+the `aurora.actors.work.Coordinator` drives it.
+
+Rules and invariants (tests/test_workpool.py holds it to them):
+
+* a result is accepted at most once per prompt, only under its current lease
+  (`LeaseTable`), only from the worker holding it, and only if it passes the
+  result rules — the group size asked for; every token id in the vocabulary;
+  each sample 1..``max_new_tokens`` tokens long; behaviour log-probabilities
+  finite and in [``min_logprob``, 0]; a version label within [current −
+  ``max_stale``, current] — and a rejection is a `Rejected` value with its reason;
+  a too-stale result gives its prompt back to the pool to be generated again;
+* the learner trains on what the trainer can check: a completion's prompt is the
+  trainer's own tokenization of the leased prompt (never the worker's), and its
+  samples are exactly the token ids the worker returned (texts are decoded from
+  them by the learner);
+* the learner takes accepted results oldest version first, and never one that
+  has become more than ``max_stale`` versions older than the version it trains from;
+* work is leased for what the learner will train on, not for rollouts that would go
+  stale in the pool: with a learner batch of B prompts, leased plus accepted-but-not-
+  taken prompts stay within ``leases.ahead_steps`` × B, and a worker on version u gets
+  work only while the learner's takes that may still use u's results (its next one up
+  to u + ``max_stale``, never past the run's last) want more than the results, accepted
+  or in flight, of versions up to u that they would take first. A ``want`` refused for
+  either reason is parked and answered by `unpark` when room opens; a parked want older
+  than half a lease TTL (at least 2 s) is from a worker that stopped asking, and lapses;
+* prompts' answers stay in the pool (rewards are the trainer's to compute).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from aurora.protocol.leases import Lease, LeaseExpired, LeaseTable, ResultRejected, Token
+from aurora.rl.types import Completion, Prompt, Sample
+
+MIN_BEHAVIOUR_LOGPROB = -50.0
+"""A sampled token had at least this log-probability under the weights that sampled it (e^-50 ≈ 2e-22:
+no sampler picks such a token); a lower one is a lie that would blow up the importance ratio."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRules:
+    """What a result must satisfy besides its lease."""
+
+    vocab_size: int
+    """Token ids are in [0, vocab_size)."""
+    max_new_tokens: int
+    """A sample has 1..max_new_tokens tokens."""
+    min_logprob: float = MIN_BEHAVIOUR_LOGPROB
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    prompt: Prompt
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    kind: str
+    """A short reason ('stale', 'malformed', 'expired', 'fenced', ...): what the counters count."""
+    reason: str
+    """What was wrong, for the log and the worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class SampleIn:
+    """A sample as a worker returned it (token ids and behaviour log-probabilities)."""
+
+    tokens: Sequence[int]
+    logprobs: Sequence[float]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    ttl_s: float
+    prompts_per_lease: int
+    batch_s: float
+    ahead_steps: int
+    max_stale: int
+
+
+@dataclass
+class WorkPool:
+    """The coordinator's state (see the module docstring). Outlives actor restarts."""
+
+    settings: PoolSettings
+    prompts: Iterator[Prompt]
+    """The task's prompts, each already tokenized by the trainer (``tokens`` set)."""
+    rules: ResultRules
+    group_size: int = 1
+    batch: int = 0
+    """The learner's prompts per step (0: it does not take batches; leasing is not bounded)."""
+    steps: int | None = None
+    """The run's versions: the learner's last take is at ``steps - 1`` (None: no end)."""
+    mint: Callable[[], Token] | None = None
+    """Lease tokens (default: a counter; a node mints 128 random bits)."""
+    table: LeaseTable = field(init=False)
+    open: dict[int, Prompt] = field(default_factory=dict)
+    samples: list[tuple[Prompt, Completion]] = field(default_factory=list)
+    accepted: int = 0
+    dropped_stale: int = 0
+    """Accepted results that grew too stale before the learner took them."""
+    rejected: Counter[str] = field(default_factory=Counter)
+    log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
+    """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
+    made_with: dict[int, int | None] = field(default_factory=dict)
+    """Per leased prompt, the version its worker said it generates with (stale entries, of
+    prompts no longer in flight, are pruned as they are met)."""
+    taken_at: int | None = None
+    """The learner's version at its last take (its next take is at the next version); None
+    before the first take of this coordinator."""
+    parked: dict[str, tuple[int, int | None, float]] = field(default_factory=dict)
+    """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version, when)."""
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.table = LeaseTable(ttl_s=s.ttl_s, max_batch=s.prompts_per_lease, batch_s=s.batch_s, mint=self.mint)
+
+    @property
+    def max_stale(self) -> int:
+        return self.settings.max_stale
+
+    def room(self) -> int | None:
+        """Prompts that may still be leased under the ``ahead_steps`` bound (None: unbounded)."""
+        if not self.batch or not self.settings.ahead_steps:
+            return None
+        return max(0, self.settings.ahead_steps * self.batch - self.table.in_flight - len(self.samples))
+
+    def _useful(self, version: int | None, current: int) -> bool:
+        """Would results of ``version`` be trained on? (The leasing rule of the module docstring.)"""
+        if not self.batch or version is None:
+            return True
+        # the learner takes once per version: next at the version after its last take (it may
+        # already be training on that take while the version before is still being published)
+        first = current if self.taken_at is None else max(current, self.taken_at + 1)
+        last = version + self.max_stale if self.steps is None else min(version + self.max_stale, self.steps - 1)
+        takes = last - first + 1
+        if takes <= 0:
+            return False
+        supply = sum(1 for v in self._supply(current) if first - self.max_stale <= v <= version)
+        return supply < takes * self.batch
+
+    def _supply(self, current: int) -> Iterator[int]:
+        """The versions of the results the learner will be offered: accepted ones, then those in
+        flight (a worker that named no version counts as on ``current``)."""
+        for _, c in self.samples:
+            yield c.version
+        for item, v in list(self.made_with.items()):
+            if self.table.current(item) is None:
+                del self.made_with[item]
+            else:
+                yield current if v is None else v
+
+    def want(self, worker: str, n: int, now: float, version: int | None = None,
+             current: int = 0) -> list[tuple[Lease, Prompt]]:  # fmt: skip
+        """Grant up to ``n`` prompts to a worker generating with ``version`` while the trainer is
+        at ``current``; a want that gets nothing is parked until `unpark`."""
+        asked = max(0, min(n, self.settings.prompts_per_lease))
+        room = self.room()
+        n = asked if room is None else min(asked, room)
+        if not self._useful(version, current):
+            n = 0
+        self.parked.pop(worker, None)
+        if n == 0:
+            if asked:
+                self.parked[worker] = (asked, version, now)
+            return []
+        while self.table.pending < n:  # the pool is endless: top it up on demand
+            p = next(self.prompts)
+            self.open[p.id] = p
+            self.table.add_items([p.id])
+        granted = self.table.grant(worker, now, n)
+        if self.batch:  # only `_useful` reads it (and prunes it as it does)
+            for lease in granted:
+                self.made_with[cast(int, lease.item)] = version
+        return [(lease, self.open[cast(int, lease.item)]) for lease in granted]
+
+    def unpark(self, now: float, current: int = 0) -> dict[str, list[tuple[Lease, Prompt]]]:
+        """Grant parked wants where there is room for them now, oldest first."""
+        out = {}
+        for worker, (n, version, since) in list(self.parked.items()):
+            if now - since > max(2.0, self.settings.ttl_s / 2):
+                del self.parked[worker]  # its worker stopped asking: do not lease to it
+                continue
+            if self.room() == 0:
+                break
+            granted = self.want(worker, n, now, version, current)
+            if granted:
+                out[worker] = granted
+        return out
+
+    def renew(self, worker: str, tokens: Sequence[Token], now: float) -> list[Lease]:
+        return self.table.renew(worker, tokens, now)
+
+    def check(self, samples: Sequence[SampleIn], version: int, current: int) -> Rejected | None:
+        """The result rules that do not depend on the lease (cheap: O(tokens))."""
+        r = self.rules
+        if len(samples) != self.group_size:
+            return Rejected("malformed", f"malformed: {len(samples)} samples, the group size is {self.group_size}")
+        if version > current:
+            return Rejected("malformed", f"malformed: labelled version {version}, the trainer is at {current}")
+        for k, s in enumerate(samples):
+            if not 1 <= len(s.tokens) <= r.max_new_tokens or len(s.logprobs) != len(s.tokens):
+                return Rejected("malformed", f"malformed: sample {k} has {len(s.tokens)} tokens and "
+                                f"{len(s.logprobs)} log-probabilities (1..{r.max_new_tokens}, equal)")  # fmt: skip
+            if not all(0 <= t < r.vocab_size for t in s.tokens):
+                return Rejected("malformed", f"malformed: sample {k} has a token id outside [0, {r.vocab_size})")
+            if not all(r.min_logprob <= lp <= 0.0 and math.isfinite(lp) for lp in s.logprobs):
+                return Rejected("malformed", f"malformed: sample {k} has a behaviour log-probability outside "
+                                f"[{r.min_logprob}, 0]")  # fmt: skip
+        return None
+
+    def result(self, worker: str, item: int, token: Token, version: int, current: int,
+               samples: Sequence[SampleIn], now: float) -> Accepted | Rejected:  # fmt: skip
+        """Offer a result (see the rules in the module docstring)."""
+        bad = self.check(samples, version, current)
+        if bad is None and current - version > self.max_stale and self.table.release(worker, item, token, now):
+            bad = Rejected("stale", f"stale: made with version {version}, the trainer is at {current} "
+                           f"(bound {self.max_stale})")  # fmt: skip
+        if bad is None and not self.table.complete(worker, item, token, now):
+            why = next(e.reason for e in reversed(self.table.events()) if isinstance(e, ResultRejected))
+            bad = Rejected(why, why)
+        if bad is not None:
+            self.rejected[bad.kind] += 1
+            return bad
+        prompt = self.open.pop(item)
+        c = Completion(item, list(prompt.tokens), [Sample(list(s.tokens), list(s.logprobs)) for s in samples],
+                       version)  # fmt: skip
+        self.log.append((item, worker, version, current))
+        self.samples.append((prompt, c))
+        self.accepted += 1
+        return Accepted(prompt, c)
+
+    def expire(self, now: float) -> list[LeaseExpired]:
+        self.table.tick(now)
+        return [e for e in self.table.events() if isinstance(e, LeaseExpired)]
+
+    def take(self, n: int, current: int = 0) -> list[tuple[Prompt, Completion]] | None:
+        """``n`` accepted results made within ``max_stale`` of version ``current``, oldest version
+        first (a newer result can wait for the next step, an older one could not), in order of
+        acceptance within a version; older ones are dropped. None: not enough yet."""
+        fresh = [s for s in self.samples if current - s[1].version <= self.max_stale]
+        self.dropped_stale += len(self.samples) - len(fresh)
+        self.samples = fresh
+        if len(fresh) < n:
+            return None
+        fresh.sort(key=lambda s: s[1].version)  # stable: acceptance order within a version
+        out, self.samples = fresh[:n], fresh[n:]
+        self.taken_at = current
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When `expire` or `unpark` next has something to do on its own."""
+        lapse = [since + max(2.0, self.settings.ttl_s / 2) for _, _, since in self.parked.values()]
+        cands = [d for d in (self.table.next_deadline(), min(lapse, default=None)) if d is not None]
+        return min(cands, default=None)
+
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        return {"accepted": self.accepted, "rejected": dict(self.rejected), "in_flight": self.table.in_flight,
+                "pending": self.table.pending, "dropped_stale": self.dropped_stale, "parked": len(self.parked)}  # fmt: skip

@@ -1,0 +1,101 @@
+"""A compromised relay, for tests: ``python -m tests.tampering_relay --topology T.yaml --name NAME``.
+
+It runs the real relay (`aurora.actors.node.run_node`, its own key, a real process) with one hook:
+every delta or snapshot it sends a child is swapped for one that makes *altered* weights, with
+every digest re-made as well as anyone without the trainer's signing key can — the manifest's
+tensor and version digests and its delta id, every chunk's digest — and the trainer's seal passed
+on unchanged (it cannot make one). It commits the trainer's real versions itself, so it stays in
+the tree and keeps looking healthy to its children's probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+
+import numpy as np
+from aurora.actors import flow
+from aurora.actors.node import run_node
+from aurora.transport.base import Channel
+
+from aurora.codec import Weights
+from aurora.codec.encoder import encode
+from aurora.codec.format import pack_manifest
+from aurora.config.plan import plan
+from aurora.config.topology import load_topology
+from aurora.logs import configure
+from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
+from aurora.protocol.routing import SendChunk, SendManifest
+
+_real_send_delta = flow._send_delta
+_forged: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
+
+
+def _altered(w: Weights) -> Weights:
+    """``w`` with one bit of the first tensor flipped: a version the trainer never made."""
+    out = w.copy()
+    first = next(iter(out))
+    out[first].bits[: 1] ^= np.array([1], dtype=out[first].bits.dtype)
+    out.forget_digests()
+    return out
+
+
+async def _forged_send_delta(ch: Channel, base: int | None, target: int, manifest: bytes, chunks: object,
+                             seal: SealWire | None) -> None:  # fmt: skip
+    """A catch-up: a snapshot of altered weights, under the trainer's seal for ``target``."""
+    self = _current[0]
+    assert self.weights is not None
+    d = encode(None, _altered(self.weights), base_version=None, target_version=target)
+    await _real_send_delta(ch, None, target, pack_manifest(d.manifest), d.chunks, seal)
+
+
+_current: list[flow.VersionFlow] = []
+
+
+async def _forged_send_all(self: flow.VersionFlow, commands: list[flow.Command]) -> None:
+    """The stream: the manifest and chunks of a delta to altered weights, then the real seal."""
+    _current[:] = [self]
+    for cmd in commands:
+        ch = self.children.get(cmd.child)
+        if ch is None:
+            continue
+        if isinstance(cmd, SendManifest):
+            assert self.weights is not None  # still the base: the relay commits after the last chunk
+            d = encode(self.weights, _altered(self.weights), base_version=cmd.delta.base, target_version=cmd.delta.target)
+            _forged[cmd.delta.target] = (pack_manifest(d.manifest), d.chunks)
+            await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(d.chunks)),
+                          _forged[cmd.delta.target][0])  # fmt: skip
+        elif isinstance(cmd, SendChunk):
+            stored = self.history[cmd.target]
+            if cmd.index == len(stored.chunks):
+                assert stored.seal is not None
+                await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
+            else:
+                await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), _forged[cmd.target][1][cmd.index])
+        else:
+            await self._catch_up(ch, cmd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--topology", type=Path, required=True)
+    ap.add_argument("--name", required=True)
+    a = ap.parse_args()
+    configure("info", "json")
+    flow._send_delta = _forged_send_delta  # type: ignore[assignment]
+    flow.VersionFlow._send_all = _forged_send_all  # type: ignore[method-assign]
+    topo = load_topology(a.topology)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await run_node(topo, plan(topo, str(a.topology)), a.name, stop, file=str(a.topology))
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
