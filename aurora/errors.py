@@ -30,6 +30,11 @@ class DeltaFormatError(AuroraError):
     """A delta, manifest or chunk is malformed, corrupt, or does not fit the base."""
 
 
+class FetchError(AuroraError):
+    """A known model could not be fetched: unknown name, download failed, checksum mismatch, or unwritable
+    destination."""
+
+
 class StoreError(AuroraError):
     """The versioned store cannot satisfy a request (missing version, bad layout)."""
 
