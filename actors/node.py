@@ -120,6 +120,9 @@ RESTART_WINDOW_S = 30.0
 PLANNED_PATIENCE_S = 60.0
 """At start, how long a node keeps trying its planned parent before it falls back (a trainer may
 take a minute to load a real model before it listens)."""
+QUARANTINE_S = 600.0
+"""A parent whose stream failed verification (or broke the protocol) is not gone back to, nor
+probed for a return, for this long: it may be compromised, and it would only fail again."""
 
 
 class NodeTransport(Transport, Protocol):
@@ -511,6 +514,12 @@ class Place:
     """The channel to the parent while attached."""
     planned: str | None = None
     """The planned parent (None: the trainer)."""
+    failed: dict[str, float] = field(default_factory=dict)
+    """Parents whose stream failed, and when (monotonic): quarantined for `QUARANTINE_S`."""
+
+    def quarantined(self, parent: str, now: float) -> bool:
+        at = self.failed.get(parent)
+        return at is not None and now - at < QUARANTINE_S
 
     def below(self) -> list[str]:
         assert self.path is not None
@@ -615,6 +624,10 @@ class _Uplink(Actor):
         await _follow_parents(self.node, self.zt, self.order, self.lost_after_s)
 
 
+_FAILED = "failed"
+"""What `_stay_with` returns when the parent's stream failed (the parent is quarantined)."""
+
+
 class _Return(Exception):
     """The planned parent has been healthy long enough: leave the fallback for it."""
 
@@ -634,12 +647,17 @@ async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_
         node.flow.parent_lost()
         await node.place.moved(None)
         await zt.disconnect(parent)
+        now = time.monotonic()
         if attached == "return":
             i = 0
-        elif parent == planned and not attached_once and time.monotonic() < patient_until:
+        elif parent == planned and attached != _FAILED and not attached_once and now < patient_until:
             pass  # still starting: keep at the planned parent a while before any fallback
         else:
             i = (i + 1) % len(order)
+            for _ in range(len(order) - 1):  # past quarantined parents, while another is left
+                if not node.place.quarantined(order[i], now):
+                    break
+                i = (i + 1) % len(order)
         await asyncio.sleep(RETRY_PAUSE_S)
 
 
@@ -682,9 +700,11 @@ async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: f
     except (TransportClosed, TimeoutError, _Cycle) as e:
         log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
     except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
-        log.error("parent_failed", parent=parent, error=repr(e)[:500])
+        log.error("parent_failed", parent=parent, error=repr(e)[:500], quarantine_s=QUARANTINE_S)
+        place.failed[parent] = time.monotonic()
         with contextlib.suppress(TransportClosed):
             await ch.close(f"leaving this parent: {type(e).__name__}")
+        return _FAILED
     finally:
         place.parent = None
         if signalling is not None:
@@ -717,7 +737,8 @@ async def _watch_planned(node: Node, zt: NodeTransport, lost_after_s: float) -> 
     healthy_since: float | None = None
     while True:
         await asyncio.sleep(lost_after_s)
-        ok = await _probe(node, zt, planned, addr, lost_after_s)
+        quarantined = node.place.quarantined(planned, time.monotonic())
+        ok = not quarantined and await _probe(node, zt, planned, addr, lost_after_s)
         now = time.monotonic()
         if not ok:
             healthy_since = None

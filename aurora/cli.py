@@ -105,13 +105,19 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("keys", help="CurveZMQ keys", description="Manage CurveZMQ key pairs.")
+    p = sub.add_parser("keys", help="CurveZMQ and signing keys", description="Make the keys a topology uses.")
     ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate}")
-    g = ks.add_parser("generate", help="write a new CurveZMQ key pair",
-                      description="Write NAME.key (public, for the topology's allowed keys) and NAME.key_secret "
-                      "(secret, mode 0600) in ZeroMQ certificate format, and print the public key.")  # fmt: skip
-    g.add_argument("name", help="key pair name, e.g. the node id")
-    g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write into (default .)")
+    g = ks.add_parser("generate", help="write new key pairs: one, or every key a topology needs",
+                      description="With --topology T.yaml: write every key the topology's key directory "
+                      "(keys: {dir: ...}) needs and does not hold yet — NODE.key and NODE.key_secret (CurveZMQ) "
+                      "for every node, operator.key/.key_secret for `aurora status`, and TRAINER.sign and "
+                      "TRAINER.sign_pub (the trainer's Ed25519 key that signs every version). Existing keys are "
+                      "kept, never overwritten. With NAME: write NAME.key and NAME.key_secret in --dir. Secret "
+                      "files are created with mode 0600 before their first byte is written. On a deployment, "
+                      "copy every public file to every machine and each secret file only to its own node's.")  # fmt: skip
+    g.add_argument("name", nargs="?", help="key pair name, e.g. the node id (without --topology)")
+    g.add_argument("--topology", type=Path, default=None, help="make every key this topology's key directory needs")
+    g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write NAME's pair into (default .)")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -176,6 +182,9 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--name", required=True, help="this node's name in the topology")
     p.add_argument("--role", choices=["trainer", "relay", "rollout"],
                    help="the node's role; checked against the topology (optional)")  # fmt: skip
+    p.add_argument("--insecure", action="store_true",
+                   help="run without keys although nodes listen beyond loopback: peers are not authenticated "
+                   "and versions are not signed (for closed networks only; refused otherwise)")  # fmt: skip
     p.add_argument("--store", type=Path, default=None,
                    help="the node's version store directory: a restarted node resumes from its latest version "
                    "(a relay or rollout then catches up from its parent; a parent with a store sends a child "
@@ -269,10 +278,12 @@ def cmd_delta_encode(args: argparse.Namespace) -> int:
 def cmd_delta_apply(args: argparse.Namespace) -> int:
     from aurora.codec import Weights, apply
     from aurora.codec.container import load_delta_file
+    from aurora.codec.decoder import check_layout
     from aurora.store.checkpoint import load_checkpoint, save_checkpoint
 
     manifest, chunks = load_delta_file(args.delta)
     base = Weights.from_tensors(load_checkpoint(args.base))
+    check_layout(manifest, base)  # a manifest that does not fit the base is refused before anything is allocated
     out = apply(base, manifest, chunks)
     save_checkpoint(out.to_tensors(), args.output, metadata={"aurora_version": str(manifest.target_version)})
     print(f"wrote {args.output}: v{manifest.target_version}, {len(out)} tensors, digests verified "
@@ -466,7 +477,28 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
     print(tree.render(topo))
     print(f"estimated time to all: {tree.time_to_all_s:.2f} s for a {topo.plan.payload_mib:g} MiB delta "
           f"(tree depth {tree.depth()})")  # fmt: skip
+    print(_keys_line(topo, str(args.topology)))
     return 0
+
+
+def _keys_line(topo: Any, file: str) -> str:
+    """What `topology check` says about keys: present, missing, or none (and whether that is allowed)."""
+    from aurora.auth.keys import exposed_nodes, key_dir, uses_keys
+
+    if not uses_keys(topo):
+        exposed = exposed_nodes(topo)
+        if exposed:
+            return (f"keys: none, and {', '.join(exposed)} listen beyond loopback: nodes refuse to start without "
+                    "--insecure (make keys: aurora keys generate --topology)")  # fmt: skip
+        return "keys: none (every node listens on loopback: unauthenticated, versions unsigned)"
+    d = key_dir(topo, file)
+    if d is None:
+        return "keys: inline public keys (each node needs its secret_key_file)"
+    want = [f"{n.name}.key" for n in topo.nodes] + [f"{topo.trainer.name}.sign_pub"]
+    missing = [w for w in want if not (d / w).exists()]
+    if missing:
+        return f"keys: {d} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (aurora keys generate --topology)"
+    return f"keys: {d} holds every node's public key and the trainer's signing key"
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -491,7 +523,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_node(topo, tree, args.name, stop, file=str(args.topology), store=args.store)
+        await run_node(topo, tree, args.name, stop, file=str(args.topology), store=args.store, insecure=args.insecure)
 
     asyncio.run(main())
     return 0
@@ -529,21 +561,33 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
-    import os
+    import re
 
-    import zmq.auth
+    from aurora.auth.keys import generate_curve_pair, generate_topology_keys
 
-    if not args.name or "/" in args.name:
-        raise AuroraError(f"key name {args.name!r} must be a plain file name")
-    pub, sec = args.dir / f"{args.name}.key", args.dir / f"{args.name}.key_secret"
-    for f in (pub, sec):
-        if f.exists():
-            raise AuroraError(f"{f} exists; refusing to overwrite a key")
+    if args.topology is not None:
+        from aurora.config.topology import load_topology
+
+        if args.name is not None:
+            raise AuroraError("give NAME or --topology, not both")
+        topo = load_topology(args.topology)
+        try:
+            made = list(generate_topology_keys(topo, str(args.topology)))
+        except OSError as e:
+            raise AuroraError(f"cannot write keys: {e}") from None
+        for path, new in made:
+            print(f"{'wrote' if new else 'kept '} {path}")
+        secrets_ = [p for p, _ in made if p.name.endswith(("key_secret", ".sign"))]
+        print(f"{sum(new for _, new in made)} files written, {sum(not new for _, new in made)} kept; "
+              f"{len(secrets_)} secret files (mode 0600): give each node only its own")  # fmt: skip
+        return 0
+    if not args.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", args.name):
+        raise AuroraError(f"key name {args.name!r} must be a plain file name (letters, digits, '-', '_', '.')")
     try:
         args.dir.mkdir(parents=True, exist_ok=True)
-        zmq.auth.create_certificates(str(args.dir), args.name)
-        os.chmod(sec, 0o600)
-        public, _ = zmq.auth.load_certificate(str(pub))
+        pub, sec, public = generate_curve_pair(args.dir, args.name)
+    except FileExistsError as e:
+        raise AuroraError(str(e)) from None
     except OSError as e:
         raise AuroraError(f"{args.dir}: cannot write keys: {e.strerror}") from None
     print(f"wrote {pub} and {sec} (mode 0600); public key: {public.decode()}")

@@ -181,6 +181,7 @@ def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0,
     topo = load_topology(path)
     tree = plan(topo, str(path))
     ensure_model(topo, path, progress)
+    ensure_keys(topo, path, progress)
     if state is None:
         state = Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress(f"state, logs and metrics: {state}")
@@ -212,6 +213,17 @@ def ensure_model(topo: Topology, path: Path, progress: Progress) -> None:
     if not (Path(m.path) / "config.json").is_file():
         progress(f"creating the model {m.path} (preset {m.preset}, seed {m.seed}; as `aurora model init` does)")
         init_model_dir(Path(m.path), m.preset, m.seed, m.max_positions)
+
+
+def ensure_keys(topo: Topology, path: Path, progress: Progress) -> None:
+    """Make the keys a topology's key directory lacks (every node runs here, so every secret may too)."""
+    from aurora.auth.keys import generate_topology_keys, key_dir
+
+    if key_dir(topo, str(path)) is None:
+        return
+    made = [p for p, new in generate_topology_keys(topo, str(path)) if new]
+    if made:
+        progress(f"made {len(made)} key files in {made[0].parent} (as `aurora keys generate --topology` does)")
 
 
 def report(trainer_log: Path, state: Path, title: str, progress: Progress) -> None:

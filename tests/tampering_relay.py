@@ -37,7 +37,7 @@ def _altered(w: Weights) -> Weights:
     """``w`` with one bit of the first tensor flipped: a version the trainer never made."""
     out = w.copy()
     first = next(iter(out))
-    out[first].bits[: 1] ^= np.array([1], dtype=out[first].bits.dtype)
+    out[first].bits[:1] ^= np.array([1], dtype=out[first].bits.dtype)
     out.forget_digests()
     return out
 
@@ -63,7 +63,9 @@ async def _forged_send_all(self: flow.VersionFlow, commands: list[flow.Command])
             continue
         if isinstance(cmd, SendManifest):
             assert self.weights is not None  # still the base: the relay commits after the last chunk
-            d = encode(self.weights, _altered(self.weights), base_version=cmd.delta.base, target_version=cmd.delta.target)
+            d = encode(
+                self.weights, _altered(self.weights), base_version=cmd.delta.base, target_version=cmd.delta.target
+            )
             _forged[cmd.delta.target] = (pack_manifest(d.manifest), d.chunks)
             await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(d.chunks)),
                           _forged[cmd.delta.target][0])  # fmt: skip

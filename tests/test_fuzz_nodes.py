@@ -8,6 +8,7 @@ trainer's versions, bit-identical; memory stays bounded. 10,000 cases in CI's pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import threading
@@ -90,6 +91,7 @@ class Cluster:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
+        self.loop.close()
 
 
 class Attacker:
@@ -125,10 +127,8 @@ class Attacker:
             msgs.append([encode_link(LinkData()), encode_app(first)])
         msgs.append(frames)
         for m in msgs:
-            try:
+            with contextlib.suppress(zmq.Again):  # the node reads at its pace; a dropped attack is fine
                 s.send_multipart(m)
-            except zmq.Again:
-                pass  # the node reads at its pace; a dropped attack is fine
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -180,8 +180,10 @@ def test_hostile_frames_never_stop_a_node_nor_the_legitimate_stream(cluster: Clu
         finally:
             attacker.close()
         # the legitimate rollout still follows the trainer: new versions, bit-identical
-        cluster.wait(lambda: cluster.version("rollout") >= max(start_version, cluster.version("trainer") - 1) + 2, 90,
-                     "the legitimate rollout to commit new versions after the attack")  # fmt: skip
+        goal = max(start_version, cluster.version("trainer")) + 2
+        cluster.wait(
+            lambda: cluster.version("rollout") >= goal, 90, "the rollout to commit new versions after the attack"
+        )
         trainer, rollout = cluster.nodes["trainer"], cluster.nodes["rollout"]
         cluster.wait(lambda: (rollout.flow.version, rollout.flow.digest) == (trainer.flow.version, trainer.flow.digest),
                      30, "the rollout to hold the trainer's version, bit-identical")  # fmt: skip

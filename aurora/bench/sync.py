@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aurora.auth.keys import generate_topology_keys
 from aurora.codec.decoder import blank_weights, receive
 from aurora.codec.encoder import encode
 from aurora.codec.warm import warm_up
 from aurora.config.rl import SyntheticSpec
+from aurora.config.topology import load_topology
 from aurora.errors import AuroraError
 from aurora.logs import event_time, read_events
 from aurora.rl.learners.synthetic import SyntheticLearner
@@ -112,6 +114,7 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
         "nodes:", *nodes,
         # generous liveness: two cores carry every node, and full-weight decodes are long
         "heartbeat: {interval_s: 0.5, suspect_after_s: 3.0, lost_after_s: 8.0}",
+        "keys: {dir: keys}",  # the nodes listen on the emulator's private addresses: authenticated, signed
         f"learner: {{kind: synthetic, params: {c.params}, tensors: 8, density: {c.density}, interval_s: {interval_s}}}",
         f"sync: {{full_weights: {'true' if c.full else 'false'}}}",
         f"run: {{steps: {steps}}}",
@@ -127,6 +130,7 @@ class _Cluster:
         self.work = work
         self.path = work / "topology.yaml"
         self.path.write_text(topology(c, interval_s=interval_s, steps=steps))
+        list(generate_topology_keys(load_topology(self.path), str(self.path)))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, region: str) -> None:

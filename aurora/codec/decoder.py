@@ -62,13 +62,16 @@ class DeltaReceiver:
     def complete(self) -> bool:
         return len(self._chunks) == self.expected
 
-    def missing(self) -> list[tuple[int, int]]:
-        return [
-            (ti, ci)
-            for ti, t in enumerate(self.manifest.tensors)
-            for ci in range(t.n_chunks)
-            if (ti, ci) not in self._chunks
-        ]
+    def missing(self, limit: int | None = None) -> list[tuple[int, int]]:
+        """The (tensor, chunk) indices not yet received, in order (the first ``limit`` of them)."""
+        out: list[tuple[int, int]] = []
+        for ti, t in enumerate(self.manifest.tensors):
+            for ci in range(t.n_chunks):
+                if (ti, ci) not in self._chunks:
+                    out.append((ti, ci))
+                    if limit is not None and len(out) >= limit:
+                        return out
+        return out
 
     def has(self, tensor_index: int, chunk_index: int) -> bool:
         return (tensor_index, chunk_index) in self._chunks
@@ -112,15 +115,13 @@ class DeltaReceiver:
         already knows its version digest equals the manifest's base digest).
         """
         m = self.manifest
-        if not self.complete:
-            miss = self.missing()
-            raise DeltaFormatError(
-                f"delta is incomplete: {len(miss)} of {self.expected} chunks missing, e.g. {miss[:3]}"
-            )
-        if not m.is_snapshot:
+        if not m.is_snapshot:  # the layout first: it is cheap, and says more than a count of chunks
             if base is None:
                 raise DeltaFormatError(f"delta v{m.base_version}->v{m.target_version} needs a base")
             _check_base(m, base, base_checked)
+        if not self.complete:
+            raise DeltaFormatError(f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
+                                   f"chunks missing, e.g. {self.missing(3)}")  # fmt: skip
 
         def decode(item: tuple[tuple[int, int], Chunk]) -> Patch | None:
             (ti, _ci), c = item
@@ -129,6 +130,12 @@ class DeltaReceiver:
 
         patches = [p for p in ordered_map(decode, sorted(self._chunks.items()), threads) if p is not None]
         return StagedDelta(m, patches)
+
+
+def check_layout(m: Manifest, weights: Weights) -> None:
+    """``weights`` has the manifest's tensors, dtypes and shapes; raises `DeltaFormatError` naming the first
+    difference (before anything the manifest describes is allocated)."""
+    _check_base(m, weights, True)
 
 
 def _check_base(m: Manifest, base: Weights, base_checked: bool) -> None:

@@ -27,6 +27,11 @@ CHUNK_SPAN_BYTES = MAX_CHUNK_BYTES - 4096
 bytes (the encoder falls back to RAW), so header + body <= MAX_CHUNK_BYTES."""
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 1_000_000
+MAX_DIMS = 16
+MAX_TENSOR_ELEMENTS = 1 << 40
+"""Elements one tensor may have (2 TiB of bf16): a manifest claiming more is malformed."""
+MAX_CHUNKS = 1 << 20
+"""Chunks one delta may have (4 TiB of weights): so nothing that walks a manifest's chunks is unbounded."""
 
 # <magic 4s><version H><kind B><transform B><dtype B><flags B><reserved H>
 # <tensor_index I><chunk_index I><start Q><stop Q><n_changed Q><body_len I>
@@ -247,7 +252,15 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         name, dname, shape, bd, td = row
         _need(isinstance(name, str) and bool(name), f"tensors[{i}].name must be a non-empty string")
         _need(dname in BY_NAME, f"tensors[{i}].dtype {dname!r} is unknown")
-        _need(isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape), f"tensors[{i}].shape")
+        _need(isinstance(shape, list) and len(shape) <= MAX_DIMS and all(isinstance(s, int) and s >= 0 for s in shape),
+              f"tensors[{i}].shape")  # fmt: skip
+        numel = 1
+        for s in shape:
+            numel = min(numel * s, MAX_TENSOR_ELEMENTS + 1)
+        _need(
+            numel <= MAX_TENSOR_ELEMENTS,
+            f"tensors[{i}] claims {numel} elements or more (at most {MAX_TENSOR_ELEMENTS})",
+        )
         tensors.append(
             TensorEntry(
                 name, BY_NAME[dname], tuple(shape),
@@ -257,6 +270,7 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         )  # fmt: skip
     names = [t.name for t in tensors]
     _need(names == sorted(set(names)), "tensor names must be unique and sorted")
+    _need(sum(t.n_chunks for t in tensors) <= MAX_CHUNKS, f"more than {MAX_CHUNKS} chunks")
     m = Manifest(
         delta_id=_digest_field(d["delta_id"], "delta_id") or b"",
         base_version=bv,

@@ -1,0 +1,251 @@
+"""What a hostile peer, file or result could do before, each refused: absurd manifests, store metadata
+pointing outside the store, unknown status senders, corrupt stored versions, non-finite learner steps,
+nodes that listen beyond loopback without keys, and the typed messages' own limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from aurora.actors.node import Node, run_node
+from aurora.actors.status import ClusterStatus
+from hypothesis import given
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from aurora.auth.keys import generate_topology_keys
+from aurora.auth.seal import Sealer, SealVerifier, state_hash, weights_layout
+from aurora.codec import Weights
+from aurora.codec.digest import digest_bytes
+from aurora.codec.format import FORMAT_VERSION, MANIFEST_MAGIC, delta_id_for, unpack_manifest
+from aurora.config.plan import plan
+from aurora.config.rl import ArithmeticSpec, GrpoSpec, ModelSpec
+from aurora.config.topology import load_topology
+from aurora.errors import ConfigError, DeltaFormatError, StoreError
+from aurora.protocol import messages as wire
+from aurora.rl.learners.grpo import GrpoLearner
+from aurora.rl.tasks import ArithmeticTask
+from aurora.rl.types import Completion, Prompt, Sample
+from aurora.store import DeltaStore
+from tests.helpers import free_ports, perturb
+
+
+def _weights(seed: int = 0) -> Weights:
+    rng = np.random.default_rng(seed)
+    return Weights.from_tensors({"a": rng.standard_normal((64, 8)).astype(np.float32),
+                                 "b": rng.standard_normal(32).astype(np.float32)})  # fmt: skip
+
+
+def _absurd_manifest(elements: int) -> bytes:
+    """A well-formed manifest (its digest right) whose one tensor claims ``elements`` elements."""
+    d16 = bytes(16)
+    body = msgpack.packb({"delta_id": delta_id_for(None, 1, None, d16), "base_version": None, "target_version": 1, "base_digest": None,
+                          "target_digest": d16, "transform": "xor", "chunk_span_bytes": 4 * 1024 * 1024 - 4096,
+                          "tensors": [["w", "bfloat16", [elements], None, d16]]}, use_bin_type=True)  # fmt: skip
+    head = MANIFEST_MAGIC + struct.pack("<HI", FORMAT_VERSION, len(body))
+    return head + body + digest_bytes(head, body)
+
+
+def test_a_manifest_claiming_absurd_sizes_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    with pytest.raises(DeltaFormatError, match="elements"):
+        unpack_manifest(_absurd_manifest(2**60))
+    assert unpack_manifest(_absurd_manifest(2**36)).n_chunks == 32801  # within the bounds: parsed, not allocated
+    # `aurora delta apply` on such a file: exit 2 at once, one line
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path / "base.safetensors"))
+    for n in (2**60, 2**36):
+        f = tmp_path / f"d{n}.audelta"
+        f.write_bytes(b"AUDF" + struct.pack("<H", FORMAT_VERSION) + struct.pack("<I", len(_absurd_manifest(n)))
+                      + _absurd_manifest(n))  # fmt: skip
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "aurora", "delta", "apply", str(tmp_path / "base.safetensors"),
+                            str(f), "-o", str(tmp_path / "out.safetensors")], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert time.monotonic() - t0 < 60
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_store_metadata_that_points_outside_the_store_is_refused_and_prune_deletes_nothing_there(
+    tmp_path: Path,
+) -> None:
+    store = DeltaStore(tmp_path / "s", anchor_every=1)
+    w = _weights()
+    for v in range(3):
+        store.put_anchor(v, w)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    meta = tmp_path / "s" / "versions" / "v00000000.json"
+    doc = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**doc, "file": "../../victim.txt"}))
+    fresh = DeltaStore(tmp_path / "s")
+    with pytest.raises(StoreError, match=r"v00000000\.json.*names the file"):
+        fresh.get(0)
+    fresh.prune(keep_last=1)
+    assert victim.read_text() == "keep me"
+
+
+def test_status_is_kept_only_for_the_topologys_nodes() -> None:
+    st_ = ClusterStatus(["relay", "rollout"])
+    for i in range(40):
+        st_.on_report(f"stranger-{i}", wire.NodeReport(version=1))
+    st_.on_report("rollout", wire.NodeReport(version=3))
+    st_.on_report("rollout", wire.NodeReport(version=4))
+    assert list(st_.reports) == ["rollout"]
+    assert st_.reports["rollout"][0].version == 4
+    # a report carrying anything beyond its schema never decodes
+    with pytest.raises(wire.BadMessage):
+        wire.decode_app(msgpack.packb({"k": "status", "n": "rollout", "r": {"version": 1, "junk": "x" * 4_000_000}}))
+
+
+async def test_a_corrupt_newest_stored_version_resumes_from_the_newest_intact_one(tmp_path: Path) -> None:
+    """A rollout's store: v3 sealed and intact, v4 corrupt on disk. The node resumes from v3,
+    logging the file; the trainer, on a corrupt store, stops with an error naming the file."""
+    (p0,) = free_ports(1)
+    path = tmp_path / "t.yaml"
+    path.write_text(f"""
+name: resume
+regions: [{{name: local}}]
+nodes:
+  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{p0}"}}
+  - {{name: r1, role: rollout, region: local, parent: trainer}}
+keys: {{dir: keys}}
+learner: {{kind: synthetic, params: 2000, tensors: 2, density: 0.05, interval_s: 10}}
+""")
+    topo = load_topology(path)
+    list(generate_topology_keys(topo, str(path)))
+    from aurora.auth.keys import load_node_keys
+
+    keys = load_node_keys(topo, "trainer", str(path))
+    store = DeltaStore(tmp_path / "r1", anchor_every=1)
+    w = _weights()
+    sealer = Sealer(keys.signer, store.run)
+    for v in (3, 4):
+        w = perturb(w, 0.05, v)
+        seal = sealer.seal(v=v, base=None, digest=w.digest(), layout=weights_layout(w), state=state_hash(w), delta=None)
+        store.put_anchor(v, w, seal=seal)
+    good = DeltaStore(tmp_path / "r1").get(3)
+    anchor = tmp_path / "r1" / "anchors" / "v00000004.safetensors"
+    anchor.write_bytes(anchor.read_bytes()[:-40] + b"\x00" * 40)
+    node = Node("r1", topo, plan(topo, str(path)), str(path), load_node_keys(topo, "r1", str(path)))
+    with capture_logs() as logs:
+        await node.open_store(tmp_path / "r1")
+    assert node.flow.version == 3
+    assert node.flow.digest == good.digest()
+    (skip,) = [e for e in logs if e["event"] == "store_version_unusable"]
+    assert skip["version"] == 4
+    assert "v00000004.safetensors" in skip["error"]
+    assert isinstance(SealVerifier(keys.verifier).open(node.flow.seal or wire.SealWire(b"", bytes(64))).v, int)
+    # the trainer's store with a corrupt latest version: an error that names the file
+    tstore = DeltaStore(tmp_path / "trainer", anchor_every=1)
+    tstore.put_anchor(0, _weights())
+    t_anchor = tmp_path / "trainer" / "anchors" / "v00000000.safetensors"
+    t_anchor.write_bytes(b"\x00" * 64)
+    with pytest.raises(StoreError, match=r"v00000000\.safetensors"):
+        await asyncio.wait_for(run_node(topo, plan(topo, str(path)), "trainer", asyncio.Event(), file=str(path),
+                                        store=tmp_path / "trainer"), 120)  # fmt: skip
+
+
+def _open_topology(tmp_path: Path) -> Path:
+    path = tmp_path / "t.yaml"
+    path.write_text("""
+name: open
+regions: [{name: local}]
+nodes:
+  - {name: trainer, role: trainer, region: local, listen: "tcp://0.0.0.0:1"}
+  - {name: r1, role: rollout, region: local, parent: trainer}
+""")
+    return path
+
+
+async def test_a_node_that_listens_beyond_loopback_refuses_to_start_without_keys(tmp_path: Path) -> None:
+    path = _open_topology(tmp_path)
+    topo = load_topology(path)
+    with pytest.raises(ConfigError, match="--insecure"):
+        await run_node(topo, plan(topo, str(path)), "r1", asyncio.Event(), file=str(path))
+
+
+def test_aurora_node_says_so_in_one_line(tmp_path: Path) -> None:
+    path = _open_topology(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "aurora", "node", "--topology", str(path), "--name", "trainer"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2
+    assert "--insecure" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, "-m", "aurora", "topology", "check", str(path)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert "refuse to start without --insecure" in r.stdout
+
+
+def test_keys_generate_topology_makes_every_key_once(tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text("""
+name: k
+regions: [{name: local}]
+nodes:
+  - {name: trainer, role: trainer, region: local, listen: "tcp://10.0.0.1:1"}
+  - {name: r1, role: rollout, region: local, parent: trainer}
+keys: {dir: keys}
+""")
+    cmd = [sys.executable, "-m", "aurora", "keys", "generate", "--topology", str(tmp_path / "t.yaml")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in (tmp_path / "keys").iterdir())
+    assert names == sorted(["trainer.key", "trainer.key_secret", "r1.key", "r1.key_secret", "operator.key",
+                            "operator.key_secret", "trainer.sign", "trainer.sign_pub"])  # fmt: skip
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert "0 files written" in again.stdout
+
+
+def test_a_learner_step_with_non_finite_loss_changes_nothing_and_is_counted() -> None:
+    task = ArithmeticTask(ArithmeticSpec())
+    learner = GrpoLearner(GrpoSpec(group_size=2, prompts_per_step=1, lr=1e-3), ModelSpec(preset="tiny"), task,
+                          temperature=1.0)  # fmt: skip
+    w0 = learner.initial()
+    p = Prompt(0, "1+1=", "2", tokens=tuple(learner.tokenize(Prompt(0, "1+1="))))
+    ok, wrong = learner.tok.hf("2", add_special_tokens=False)["input_ids"], [9]
+    poisoned = Completion(0, list(p.tokens), [Sample(list(ok), [math.nan] * len(ok)), Sample(wrong, [-1.0])], 0)
+    w1 = learner.step([(p, poisoned)])
+    assert learner.stats["nonfinite_skipped"] == 1
+    assert w1.digest() == w0.digest()
+    assert all(bool(torch.isfinite(t).all()) for t in w1.to_tensors().values())
+
+
+MESSAGES = [m for m in wire.AppMessage.__args__]  # type: ignore[attr-defined]
+
+
+@given(st.sampled_from(MESSAGES), st.data())
+def test_every_valid_message_round_trips(kind: type, data: st.DataObject) -> None:
+    import msgspec.inspect as mi
+
+    from aurora.testing.fuzz import pack, valid_message
+
+    info = mi.type_info(kind)
+    assert isinstance(info, mi.StructType)
+    raw = pack(data.draw(valid_message(info)))
+    try:
+        msg = wire.decode_app(raw, [b""] * len(wire.BUFFER_LIMITS.get(kind, ())))
+    except wire.BadMessage as e:  # a __post_init__ rule the schema cannot say (e.g. equal lengths)
+        assert "differ in length" in e.reason  # noqa: PT017
+        return
+    assert isinstance(msg, kind)
+    assert wire.decode_app(wire.encode_app(msg), [b""] * len(wire.BUFFER_LIMITS.get(kind, ()))) == msg
+
+
+def test_the_wire_limits_agree_with_the_codecs() -> None:
+    from aurora.codec import format as fmt
+
+    assert wire.MAX_CHUNK_BYTES == fmt.MAX_CHUNK_BYTES
+    assert wire.MAX_CHUNKS == fmt.MAX_CHUNKS
+    assert wire.MAX_MANIFEST_BYTES <= fmt.MAX_MANIFEST_BYTES
