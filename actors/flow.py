@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from aurora.transport.base import Channel, Message
@@ -62,17 +62,22 @@ from aurora.codec import Weights
 from aurora.codec.decoder import DeltaReceiver, blank_weights
 from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
-from aurora.errors import AuthError, DeltaFormatError, ProtocolError
+from aurora.errors import AuthError, DeltaFormatError, ProtocolError, TransportClosed
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
 from aurora.store import DeltaStore
 
 log = structlog.get_logger("aurora.actors.flow")
+_T = TypeVar("_T")
 
 UNSIGNED = Sealer(None, bytes(16))
 """What a trainer without a signing key seals with: the stream keeps its shape, nothing is signed."""
 
 DEFAULT_KEEP_VERSIONS = 8
+MAX_QUEUED = 8192
+"""Messages that may wait for one child (a version is its chunks plus two): past it the child is cut off."""
+KEEP_SERVED = 2
+"""Catch-ups (composed deltas, snapshots) kept made: children that ask for the same one share it."""
 ENCODE_SLICE_S = 0.005
 """`publish` encodes chunks on the event loop for about this long, then routes them and yields:
 a small delta goes out in one slice, a big one still streams cut-through. (One thread hand-off
@@ -89,6 +94,13 @@ class _Stored:
     @property
     def complete(self) -> bool:
         return self.seal is not None and all(c is not None for c in self.chunks)
+
+
+@dataclass
+class _Outbox:
+    ch: Channel
+    queue: deque[Command] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -133,7 +145,12 @@ class VersionFlow:
         self._incoming: _Incoming | None = None
         self._hashes: dict[str, bytes] = {}
         """The trainer: BLAKE3 of each tensor of the version held (reused for tensors a step left alone)."""
-        self._send_lock = asyncio.Lock()  # command batches go out in the order the router made them
+        self.outboxes: dict[str, _Outbox] = {}
+        """Per child, what the router asked to send it, in order: drained by that child's own task
+        (`serve_child`), so a slow or stuck child holds up nobody else."""
+        self._served: OrderedDict[tuple[int | None, int], tuple[bytes, tuple[bytes, ...]]] = OrderedDict()
+        """The last composed deltas and snapshots made for catch-ups: (from, to) -> (manifest, chunks)."""
+        self._run_id: bytes | None = None
         self.weights_lock = asyncio.Lock()
         self.committed = asyncio.Event()
         """Set at every commit (a waiter clears it first): a rollout's worker wakes on a new version."""
@@ -145,18 +162,44 @@ class VersionFlow:
         """A relay or rollout: seconds its last commit spent verifying the seal (hash and signature)."""
 
     # -- children
-    async def add_child(self, ch: Channel, version: int | None) -> None:
+    def add_child(self, ch: Channel, version: int | None) -> None:
+        """Attach a child; what it is to be sent goes to its outbox, which `serve_child` drains."""
         self.children[ch.peer] = ch
+        self.outboxes[ch.peer] = _Outbox(ch)
         self.router.child_attached(ch.peer, version)
-        await self._run(self.router.commands())
+        self._dispatch(self.router.commands())
 
     def remove_child(self, peer: str) -> None:
         self.children.pop(peer, None)
+        self.outboxes.pop(peer, None)
         self.router.child_detached(peer)
 
-    async def on_child_version(self, peer: str, version: int) -> None:
+    def on_child_version(self, peer: str, version: int) -> None:
         self.router.child_version(peer, version)
-        await self._run(self.router.commands())
+        self._dispatch(self.router.commands())
+
+    async def serve_child(self, ch: Channel) -> None:
+        """Send ``ch``'s outbox until the channel closes (then returns). Run by the task that serves
+        that child, so what the child does (stop reading, vanish) stalls only this coroutine."""
+        box = self.outboxes.get(ch.peer)
+        while box is not None and self.outboxes.get(ch.peer) is box and not ch.closed:
+            if not box.queue:
+                box.wake.clear()
+                woken, closed = asyncio.ensure_future(box.wake.wait()), asyncio.ensure_future(ch.wait_closed())
+                try:
+                    await asyncio.wait({woken, closed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                    closed.cancel()
+                continue
+            cmd = box.queue.popleft()
+            try:
+                await self._send_one(ch, cmd)
+            except TransportClosed:
+                return
+            except KeyError:  # what it was to be sent is gone from the history: it fell too far behind
+                ch.abort(f"{ch.peer!r} fell more than {self.keep_versions} versions behind; reconnect to catch up")
+                return
 
     # -- the trainer's side
     async def publish(self, new: Weights) -> int:
@@ -178,7 +221,7 @@ class VersionFlow:
         self.router.delta_started(DeltaInfo(self.version, target, n + 1))
         # the state hash (all the weights, BLAKE3) runs in a thread while the chunks are encoded
         hashing = asyncio.ensure_future(asyncio.to_thread(self._hash_state, new)) if self._signs else None
-        await self._run(self.router.commands())
+        self._dispatch(self.router.commands())
         i, encode_s, store_s = 0, 0.0, 0.0
         try:
             while i < n:
@@ -191,7 +234,7 @@ class VersionFlow:
                     hasher.add(i, c)
                     self.router.chunk_arrived(target, i)
                     i += 1
-                await self._run(self.router.commands())
+                self._dispatch(self.router.commands())
                 await asyncio.sleep(0)
             t = time.monotonic()
             state, hashes = (await hashing) if hashing is not None else (None, {})
@@ -214,7 +257,7 @@ class VersionFlow:
             self._hashes = hashes
         self._changed(target, None)
         self.router.version_committed(target)
-        await self._run(self.router.commands())
+        self._dispatch(self.router.commands())
         nbytes = len(packed) + sum(len(c) for c in stored.chunks if c is not None)
         publish_s = time.monotonic() - t0
         self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None,
@@ -265,6 +308,9 @@ class VersionFlow:
         self.bytes_in += sum(len(b) for b in msg.buffers)
         if isinstance(m, DeltaManifest):
             self._begin(m, bytes(msg.buffers[0]))
+            inc = self._incoming
+            if inc is not None and inc.receiver.complete and (inc.seal is not None or not inc.streamed):
+                return await self._finish(inc)  # a delta with no chunks (nothing changed) is done already
             return None
         if isinstance(m, DeltaChunk):
             return await self._chunk(m.target, m.i, bytes(msg.buffers[0]))
@@ -275,10 +321,31 @@ class VersionFlow:
     def parent_lost(self) -> None:
         """The parent is gone: a delta half-received from it is abandoned (the next parent resends)."""
         inc, self._incoming = self._incoming, None
-        if inc is not None and inc.streamed:
-            target = inc.manifest.target_version
-            self.history.pop(target, None)
-            self.router.delta_abandoned(target)
+        if inc is not None:
+            self._abandon(inc)
+
+    def _abandon(self, inc: _Incoming) -> None:
+        """Forget a delta that will not be committed: its history entry, its routing, what is queued of it."""
+        if not inc.streamed:
+            return
+        target = inc.manifest.target_version
+        self.history.pop(target, None)
+        self.router.delta_abandoned(target)
+        for box in self.outboxes.values():
+            box.queue = deque(c for c in box.queue if not (isinstance(c, SendChunk | SendManifest)
+                                                           and _target(c) == target))  # fmt: skip
+
+    def _open(self, wire: SealWire, m: Manifest) -> Seal:
+        """A seal, checked against its signature, the manifest, and the run of the version held."""
+        seal = self.verifier.open(wire)
+        check_manifest(seal, m)
+        if self.seal is not None and self.verifier.authenticates:
+            if self._run_id is None:
+                self._run_id = self.verifier.open(self.seal).run
+            if seal.run != self._run_id:
+                raise AuthError(f"{self.name}: version {seal.v} is of another run ({seal.run.hex()[:8]}, this node's "
+                                f"is {self._run_id.hex()[:8]})")  # fmt: skip
+        return seal
 
     def _begin(self, h: DeltaManifest, packed: bytes) -> None:
         m = unpack_manifest(packed)
@@ -290,11 +357,7 @@ class VersionFlow:
         if self.version is not None and m.target_version <= self.version:
             raise ProtocolError(f"{self.name}: parent sent version {m.target_version}, this node holds "
                                 f"{self.version} already", remote=True)  # fmt: skip
-        sealed = None
-        if h.seal is not None:
-            seal = self.verifier.open(h.seal)
-            check_manifest(seal, m)
-            sealed = (seal, h.seal)
+        sealed = None if h.seal is None else (self._open(h.seal, m), h.seal)
         # nothing is allocated for a manifest before its layout is known to be the right one
         if self.weights is not None:
             if manifest_layout(m) != weights_layout(self.weights):
@@ -322,7 +385,7 @@ class VersionFlow:
             stored = self.history[target]
             stored.chunks[i] = data
             self.router.chunk_arrived(target, i)
-            await self._run(self.router.commands())
+            self._dispatch(self.router.commands())
         if inc.receiver.complete and (inc.seal is not None or not inc.streamed):
             return await self._finish(inc)  # a streamed delta waits for its seal, which follows
         return None
@@ -331,13 +394,21 @@ class VersionFlow:
         inc = self._incoming
         if inc is None or inc.manifest.target_version != target or not inc.receiver.complete or inc.seal is not None:
             raise ProtocolError(f"{self.name}: a seal for version {target} out of place", remote=True)
-        seal = self.verifier.open(wire)
-        check_manifest(seal, inc.manifest)
-        inc.seal = (seal, wire)
+        inc.seal = (self._open(wire, inc.manifest), wire)
         return await self._finish(inc)
 
     async def _finish(self, inc: _Incoming) -> int:
-        """Verify the seal against what arrived, forward it, commit, store."""
+        """Verify the seal against what arrived, forward it, commit, store. On any failure the delta
+        is abandoned here (not served to anyone) and the error raised."""
+        try:
+            return await self._verify_and_commit(inc)
+        except BaseException:
+            if self._incoming is inc:
+                self._incoming = None
+            self._abandon(inc)
+            raise
+
+    async def _verify_and_commit(self, inc: _Incoming) -> int:
         m, target = inc.manifest, inc.manifest.target_version
         if inc.seal is None:
             if self.verifier.authenticates:
@@ -347,6 +418,8 @@ class VersionFlow:
         t = time.monotonic()
         trusted_bytes = seal.delta is not None and seal.delta == inc.hasher.digest()
         t -= inc.hash_s  # the chunks' hashing counts too
+        if inc.streamed and not trusted_bytes:  # what streams is the trainer's own bytes, or nothing
+            raise AuthError(f"{self.name}: the streamed delta to version {target} is not the one the trainer sealed")
         if trusted_bytes and not m.is_snapshot and seal.base != m.base_version:
             raise AuthError(f"{self.name}: version {target}'s seal is for a delta from {seal.base}, not "
                             f"{m.base_version}")  # fmt: skip
@@ -354,16 +427,15 @@ class VersionFlow:
         if not check_state and self.verifier.authenticates and not m.is_snapshot and self.seal is None:
             raise AuthError(f"{self.name}: holds version {self.version} unsealed; a delta onto it proves nothing")
         verify_s = time.monotonic() - t
-        if inc.streamed:  # the seal follows the chunks down the tree, as soon as it checks out
+        if inc.streamed:  # checked: the seal follows the chunks down the tree at once
             self.history[target].seal = wire
             self.router.chunk_arrived(target, m.n_chunks)
-            await self._run(self.router.commands())
+            self._dispatch(self.router.commands())
         return await self._commit(inc, wire, trusted_bytes, check_state, verify_s)
 
     async def _commit(self, inc: _Incoming, wire: SealWire | None, trusted_bytes: bool, check_state: bool,
                       verify_s: float) -> int:  # fmt: skip
         m, target = inc.manifest, inc.manifest.target_version
-        self._incoming = None
         sealed = inc.seal[0] if inc.seal is not None else None
 
         def sealed_state(w: Weights) -> None:  # O(weights): only for bytes the trainer did not stream
@@ -374,16 +446,16 @@ class VersionFlow:
         check = sealed_state if check_state else None
         touched: frozenset[str] | None = None
         t = time.monotonic()
-        if m.is_snapshot or self.weights is None:
-            fresh = await asyncio.to_thread(_commit_snapshot, inc, check)
-            async with self.weights_lock:
-                self.weights = fresh
-                self.version, self.digest, self.seal = target, m.target_digest, wire
-        else:
-            w = self.weights
-            async with self.weights_lock:  # decode and apply in one thread hand-off
-                touched = await asyncio.to_thread(_decode_and_apply, inc.receiver, w, check)
-                self.version, self.digest, self.seal = target, m.target_digest, wire
+        async with self.weights_lock:
+            if m.is_snapshot or self.weights is None:
+                self.weights, cancelled = await _to_the_end(asyncio.to_thread(_commit_snapshot, inc, check))
+            else:  # decode and apply in one thread hand-off, in place
+                touched, cancelled = await _to_the_end(asyncio.to_thread(_decode_and_apply, inc.receiver,
+                                                                         self.weights, check))  # fmt: skip
+            self.version, self.digest, self.seal = target, m.target_digest, wire
+        self._incoming = None
+        if cancelled:
+            raise asyncio.CancelledError
         if check_state:
             verify_s += time.monotonic() - t
         self.last_verify_s = verify_s
@@ -391,43 +463,52 @@ class VersionFlow:
         if self.store is not None:
             kept = self.history.get(target) if inc.streamed else None
             w = self.weights
+            assert w is not None
             await asyncio.to_thread(self._keep, m, None if kept is None else kept.chunks, w, wire, prune=True)
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
-        await self._run(self.router.commands())
+        self._dispatch(self.router.commands())
         log.info("version_committed", node=self.name, version=target, snapshot=m.is_snapshot,
                  verified="bytes" if trusted_bytes else ("state" if check_state else "unsigned"),
                  verify_s=round(verify_s, 6), digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
 
     # -- executing the router's commands
-    async def _run(self, commands: list[Command]) -> None:
-        """Send a batch of router commands. Batches are serialised (FIFO lock) so that two tasks
-        (the parent's stream and a child's report) never interleave messages to one child."""
-        async with self._send_lock:
-            await self._send_all(commands)
-
-    async def _send_all(self, commands: list[Command]) -> None:
+    def _dispatch(self, commands: list[Command]) -> None:
+        """Queue each command on its child's outbox (never waits). A child that is not keeping up —
+        what waits for it is of a version the history no longer holds, or past `MAX_QUEUED` messages —
+        has its channel closed (it reconnects and catches up)."""
         for cmd in commands:
-            ch = self.children.get(cmd.child)
-            if ch is None:
+            box = self.outboxes.get(cmd.child)
+            if box is None:
                 continue
-            if isinstance(cmd, SendManifest):
-                stored = self.history[cmd.delta.target]
-                await ch.send(DeltaManifest(base=cmd.delta.base if not stored.snapshot else None,
-                                            target=cmd.delta.target, n=cmd.delta.chunks - 1), stored.manifest)  # fmt: skip
-            elif isinstance(cmd, SendChunk):
-                stored = self.history[cmd.target]
-                if cmd.index == len(stored.chunks):
-                    assert stored.seal is not None
-                    await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
-                else:
-                    chunk = stored.chunks[cmd.index]
-                    assert chunk is not None
-                    await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), chunk)
-            elif isinstance(cmd, SendCatchUp):
-                await self._catch_up(ch, cmd)
+            head = box.queue[0] if box.queue else None
+            stale = isinstance(head, SendChunk | SendManifest) and _target(head) not in self.history
+            if stale or len(box.queue) >= MAX_QUEUED:
+                box.ch.abort(f"{cmd.child!r} is not reading: it fell {len(box.queue)} messages and more than "
+                             f"{self.keep_versions} versions behind; reconnect to catch up")  # fmt: skip
+                self.remove_child(cmd.child)
+                continue
+            box.queue.append(cmd)
+            box.wake.set()
+
+    async def _send_one(self, ch: Channel, cmd: Command) -> None:
+        if isinstance(cmd, SendManifest):
+            stored = self.history[cmd.delta.target]
+            await ch.send(DeltaManifest(base=cmd.delta.base if not stored.snapshot else None,
+                                        target=cmd.delta.target, n=cmd.delta.chunks - 1), stored.manifest)  # fmt: skip
+        elif isinstance(cmd, SendChunk):
+            stored = self.history[cmd.target]
+            if cmd.index == len(stored.chunks):
+                assert stored.seal is not None
+                await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
+            else:
+                chunk = stored.chunks[cmd.index]
+                assert chunk is not None
+                await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), chunk)
+        elif isinstance(cmd, SendCatchUp):
+            await self._catch_up(ch, cmd)
 
     def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, seal: SealWire | None, *,
               prune: bool = False) -> None:  # fmt: skip
@@ -452,17 +533,36 @@ class VersionFlow:
         """One delta from the child's version (read back from the store) to the current one; False
         when a snapshot would be as small (then the caller sends what it would have)."""
         assert self.store is not None
+        store = self.store
+
+        def compose(weights: Weights, version: int) -> tuple[bytes, tuple[bytes, ...]] | None:
+            d = encode(store.get(have), weights, base_version=have, target_version=version)
+            return None if d.prefer_snapshot else (pack_manifest(d.manifest), d.chunks)
+
+        made = await self._made(have, compose)
+        if made is None:
+            return False
+        version, seal, (manifest, chunks) = made
+        await _send_delta(ch, have, version, manifest, chunks, seal)
+        log.info("catch_up_sent", node=self.name, child=ch.peer, composed=True, base=have, version=version)
+        return True
+
+    async def _made(self, have: int | None, make: Any) -> tuple[int, SealWire | None, Any] | None:
+        """A catch-up from ``have`` to the version held, made once and shared (`KEEP_SERVED`): a child
+        that reconnects, or many that ask at once, cost one encode, not one each."""
         async with self.weights_lock:
             weights, version, seal = self.weights, self.version, self.seal
             assert weights is not None
             assert version is not None
-            base = await asyncio.to_thread(self.store.get, have)
-            d = await asyncio.to_thread(encode, base, weights, base_version=have, target_version=version)
-        if d.prefer_snapshot:
-            return False
-        await _send_delta(ch, have, version, pack_manifest(d.manifest), d.chunks, seal)
-        log.info("catch_up_sent", node=self.name, child=ch.peer, composed=True, base=have, version=version)
-        return True
+            key = (have, version)
+            if key not in self._served:
+                made = await asyncio.to_thread(make, weights, version)
+                if made is None:
+                    return None
+                self._served[key] = made
+                while len(self._served) > KEEP_SERVED:
+                    self._served.popitem(last=False)
+            return version, seal, self._served[key]
 
     async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
         start = self._replay_from(cmd.from_version, cmd.to_version)
@@ -480,11 +580,15 @@ class VersionFlow:
             return
         if self.weights is None:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
-        async with self.weights_lock:  # label the snapshot with what the weights are now
-            weights, version, seal = self.weights, self.version, self.seal
-            assert version is not None
-            snap = await asyncio.to_thread(encode, None, weights, base_version=None, target_version=version)
-        await _send_delta(ch, None, version, pack_manifest(snap.manifest), snap.chunks, seal)
+
+        def snapshot(weights: Weights, version: int) -> tuple[bytes, tuple[bytes, ...]]:
+            snap = encode(None, weights, base_version=None, target_version=version)
+            return pack_manifest(snap.manifest), snap.chunks
+
+        made = await self._made(None, snapshot)  # labelled with what the weights are now
+        assert made is not None
+        version, seal, (manifest, chunks) = made
+        await _send_delta(ch, None, version, manifest, chunks, seal)
         log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
 
     def _replay_from(self, have: int | None, to: int) -> int | None:
@@ -520,6 +624,25 @@ class VersionFlow:
         self.history[target] = stored
         while len(self.history) > self.keep_versions:
             self.history.popitem(last=False)
+
+
+async def _to_the_end(work: Awaitable[_T]) -> tuple[_T, bool]:
+    """Await a thread's work to its end even if the caller is cancelled meanwhile (a thread cannot be
+    stopped, and what it changed must be labelled before anyone else looks). Returns the result and
+    whether a cancellation came in meanwhile (the caller labels what changed, then re-raises it)."""
+    fut = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(fut), cancelled
+        except asyncio.CancelledError:
+            if fut.done() and fut.cancelled():
+                raise
+            cancelled = True
+
+
+def _target(cmd: SendChunk | SendManifest) -> int:
+    return cmd.target if isinstance(cmd, SendChunk) else cmd.delta.target
 
 
 def _decode_and_apply(rx: DeltaReceiver, w: Weights, check: Any) -> frozenset[str]:

@@ -85,6 +85,7 @@ from aurora.errors import AuroraError, AuthError, ConfigError, StoreError, Trans
 from aurora.protocol.leases import LeaseHolder
 from aurora.protocol.messages import (
     DOWN,
+    MAX_MANIFEST_BYTES,
     UP,
     AppMessage,
     DeltaChunk,
@@ -101,6 +102,7 @@ from aurora.protocol.messages import (
     Status,
     StatusQuery,
     StatusSnapshot,
+    Want,
 )
 from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
@@ -156,7 +158,8 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                           "can reach them could join the tree. Make keys (aurora keys generate --topology FILE, "
                           "then keys: {dir: ...}) or pass --insecure", file=file, path="keys")  # fmt: skip
     hb = topo.heartbeat
-    cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
+    cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s,
+                     max_frame_bytes=MAX_MANIFEST_BYTES + 64 * 1024)  # the largest message a node sends  # fmt: skip
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
     if not keys.secure:
         log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")
@@ -577,6 +580,7 @@ async def _serve_child(node: Node, ch: Channel) -> None:
     if why is not None:
         log.info("child_refused", child=ch.peer, reason=why, probe=hello.probe)
         await ch.send(Refused(reason=why))
+        await ch.close("refused")
         return
     await ch.send(PathUpdate(path=place.below()))
     if hello.probe:
@@ -584,13 +588,21 @@ async def _serve_child(node: Node, ch: Channel) -> None:
         return
     place.children[ch.peer] = ch
     log.info("child_attached", child=ch.peer, version=hello.v)
-    await flow.add_child(ch, hello.v)
+    flow.add_child(ch, hello.v)
+    with unwrap_group():
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(flow.serve_child(ch))  # what goes down to this child: its own task
+            await _from_child(node, ch)
+
+
+async def _from_child(node: Node, ch: Channel) -> None:
+    """Everything a child sends after its hello (until its channel closes)."""
     coordinator = node.ref("coordinator")
     while True:
         msg = await ch.recv()
         m = msg.msg
         if isinstance(m, Have):
-            await flow.on_child_version(ch.peer, m.v)
+            node.flow.on_child_version(ch.peer, m.v)
         elif isinstance(m, Held | Status):
             if not node.speaks_for(ch.peer, m.n):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.n!r}, which it does not speak for")
@@ -602,7 +614,9 @@ async def _serve_child(node: Node, ch: Channel) -> None:
             if not node.speaks_for(ch.peer, m.w) or node.role.get(m.w) != "rollout":
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for worker {m.w!r}, which it does not speak for")
                 continue
-            node.routes.learn(m.w, ch.peer)
+            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want), open_children=node.place.children):
+                ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.w!r}, whose work goes through another child")
+                continue
             if coordinator is not None:
                 await tell_or_drop(coordinator, msg)
             else:
@@ -780,7 +794,7 @@ def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
         ice = tuple(IceServer(s.urls, s.username, s.credential) for s in spec.transport.ice_servers)
     cfg = RtcConfig(ice_servers=ice, heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s,
                     lost_after_s=hb.lost_after_s)  # fmt: skip
-    return WebRtcTransport(name, cfg)
+    return WebRtcTransport(name, cfg, accepting=spec.listen is not None)
 
 
 async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str,

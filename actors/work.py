@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -154,12 +154,22 @@ class Coordinator(Actor):
 # ---------------------------------------------------------------- relay side
 @dataclass
 class Routes:
-    """Which child each worker's messages came through, so answers go back the same way."""
+    """Which child each worker's messages came through, so answers go back the same way.
+
+    A worker's route moves only with a `Want` (what a worker sends when it attaches, or runs out of
+    work), or when the child it went through is gone: a relay cannot take over the answers to a
+    worker attached elsewhere by sending renewals or results in its name."""
 
     via: dict[str, str] = field(default_factory=dict)
 
-    def learn(self, worker: str, child: str) -> None:
+    def learn(self, worker: str, child: str, *, moves: bool = True, open_children: Mapping[str, Any] = {}) -> bool:
+        """Record that ``worker``'s messages come through ``child``; False: they go through another
+        child still attached, and this message may not move them (it is dropped)."""
+        now = self.via.get(worker)
+        if now is not None and now != child and not moves and now in open_children:
+            return False
         self.via[worker] = child
+        return True
 
     def child_for(self, worker: str) -> str | None:
         return self.via.get(worker)

@@ -530,34 +530,52 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from aurora.config.topology import load_topology
+    from aurora.display import RunView
     from aurora.run import run
 
-    shown = [0]
+    view = RunView(load_topology(args.topology).run.steps)
 
-    def show(text: str, *, redraw: bool = False) -> None:
-        """On a terminal the status block is redrawn in place; otherwise every block is printed."""
-        if redraw and sys.stdout.isatty() and shown[0]:
-            sys.stdout.write(f"\x1b[{shown[0]}F\x1b[J")
-        print(text, flush=True)
-        shown[0] = text.count("\n") + 1 if redraw else 0
+    def show(what: Any, *, redraw: bool = False) -> None:
+        """Messages scroll; the status is one table redrawn in place (a line per step when piped)."""
+        if redraw:
+            view.status(*what)
+        else:
+            view.message(str(what))
 
-    run(args.topology, progress=show, state=args.state)
+    try:
+        run(args.topology, progress=show, state=args.state)
+    finally:
+        view.close()
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     import asyncio
 
+    import msgspec
+
     from aurora.actors.status import fetch_status, render
     from aurora.config.topology import load_topology
+    from aurora.display import RunView
 
     topo = load_topology(args.topology)
-    while True:
-        snap = asyncio.run(fetch_status(topo, file=str(args.topology), as_node=args.as_node))
-        print(json.dumps(snap) if args.json else render(snap), flush=True)
-        if args.watch is None:
-            return 0
-        time.sleep(args.watch)
+    view = RunView(topo.run.steps) if args.watch is not None and not args.json else None
+    try:
+        while True:
+            snap = asyncio.run(fetch_status(topo, file=str(args.topology), as_node=args.as_node))
+            if args.json:
+                print(msgspec.json.encode(snap).decode(), flush=True)
+            elif view is not None:  # a live table on a terminal, a line per step in a file
+                view.status(snap)
+            else:
+                print(render(snap), flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    finally:
+        if view is not None:
+            view.close()
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:

@@ -35,10 +35,12 @@ from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
 from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
+from aurora.protocol.messages import Snapshot
 from aurora.rl.model import init_model_dir
 
 Progress = Callable[..., None]
-"""``progress(text, redraw=False)``: show a message, or (redraw) the status block that replaces the last one."""
+"""``progress(text)``: show a message; ``progress((snapshot, line), redraw=True)``: the cluster's status now
+(the trainer's `Snapshot`, or None and the versions seen in the logs), which a view redraws in place."""
 
 ATTACH_TIMEOUT_S = 180.0  # a clean checkout compiles the codec kernels on first use
 STOP_GRACE_S = 10.0
@@ -115,12 +117,12 @@ class Cluster:
             with (self.state / "cpu.jsonl").open("a") as f:
                 f.write(json.dumps({"version": version, "cpu_s": cpu}) + "\n")
 
-    def display(self) -> str:
+    def display(self) -> tuple[Snapshot | None, str]:
         """The trainer's gathered status (the control channel), or the versions seen in the logs until then."""
         try:
-            return render(asyncio.run(fetch_status(self.topo, timeout_s=2.0, file=str(self.path))))
+            return asyncio.run(fetch_status(self.topo, timeout_s=2.0, file=str(self.path))), ""
         except AuroraError:
-            return self.line()
+            return None, self.line()
 
     def died(self) -> str | None:
         for name, p in self.procs.items():
@@ -267,7 +269,9 @@ def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, N
             time.sleep(0.05)
         if not stopping:
             time.sleep(STATUS_EVERY_S + 0.2)  # the nodes' reports of the last version reach the trainer
-        progress(cluster.display(), redraw=True)
+        final, line = cluster.display()
+        progress((final, line), redraw=True)
+        progress(render(final) if final is not None else line)  # the last status, once, as text
         progress("stopping (children first)" if stopping else f"done: every node holds version {topo.run.steps}")
     except KeyboardInterrupt:
         progress("interrupted: stopping (children first)")

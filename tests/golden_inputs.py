@@ -1,23 +1,36 @@
-"""The fixed inputs behind the format-v1 golden fixtures (tests/golden/*.audelta).
+"""The fixed inputs behind the golden fixtures (tests/golden/v*.audelta).
 
-Regenerate only on a deliberate format change (and bump FORMAT_VERSION):
-``python -m tests.golden_inputs``.
+The v1 files are kept as v1 wrote them (this build must still read them); the v2 ones are what
+this build writes, from the same pair plus a tensor the delta leaves unchanged (v2 gives it no
+chunks). Regenerate only on a deliberate format change (and bump FORMAT_VERSION):
+``python -m tests.golden_inputs`` (it writes the current version's files only).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from aurora.codec import Transform, Weights, encode
 from aurora.codec.container import write_delta
+from aurora.codec.format import FORMAT_VERSION
 from tests.helpers import tensor_from_raw
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def golden_pair() -> tuple[Weights, Weights]:
+def golden_pair(*, unchanged: bool = False) -> tuple[Weights, Weights]:
+    """The pair; ``unchanged``: with a tensor ``frozen`` the same in both (the v2 fixtures)."""
+    base, target = _pair()
+    if unchanged:
+        frozen = tensor_from_raw("bfloat16", np.arange(40, dtype=np.uint64) + 0x3F00, (40,))
+        base, target = {**base, "frozen": frozen}, {**target, "frozen": frozen.clone()}
+    return Weights.from_tensors(base), Weights.from_tensors(target)
+
+
+def _pair() -> tuple[dict[str, Any], dict[str, Any]]:
     n = 600
     i = np.arange(n, dtype=np.uint64)
     # bf16 bit patterns across several exponents, deterministic without any RNG.
@@ -35,13 +48,13 @@ def golden_pair() -> tuple[Weights, Weights]:
     target = {"layer.weight": tensor_from_raw("bfloat16", tgt_bf16, (20, 30)),
               "step": tensor_from_raw("int32", tgt_i32[:10], (10,)),
               "scalar": tensor_from_raw("float32", np.array([0x3F800001], np.uint64), ())}  # fmt: skip
-    return Weights.from_tensors(base), Weights.from_tensors(target)
+    return base, target
 
 
 def golden_bytes(transform: Transform) -> bytes:
     import io
 
-    b, t = golden_pair()
+    b, t = golden_pair(unchanged=True)
     d = encode(b, t, base_version=7, target_version=8, transform=transform)
     buf = io.BytesIO()
     write_delta(buf, d.manifest, d.chunks)
@@ -51,5 +64,5 @@ def golden_bytes(transform: Transform) -> bytes:
 if __name__ == "__main__":
     GOLDEN.mkdir(exist_ok=True)
     for tr in (Transform.SUB, Transform.XOR):
-        (GOLDEN / f"v1-{tr.name.lower()}.audelta").write_bytes(golden_bytes(tr))
+        (GOLDEN / f"v{FORMAT_VERSION}-{tr.name.lower()}.audelta").write_bytes(golden_bytes(tr))
     print("wrote", sorted(p.name for p in GOLDEN.iterdir()))

@@ -54,30 +54,26 @@ async def _forged_send_delta(ch: Channel, base: int | None, target: int, manifes
 _current: list[flow.VersionFlow] = []
 
 
-async def _forged_send_all(self: flow.VersionFlow, commands: list[flow.Command]) -> None:
+async def _forged_send_one(self: flow.VersionFlow, ch: Channel, cmd: flow.Command) -> None:
     """The stream: the manifest and chunks of a delta to altered weights, then the real seal."""
     _current[:] = [self]
-    for cmd in commands:
-        ch = self.children.get(cmd.child)
-        if ch is None:
-            continue
-        if isinstance(cmd, SendManifest):
-            assert self.weights is not None  # still the base: the relay commits after the last chunk
-            d = encode(
-                self.weights, _altered(self.weights), base_version=cmd.delta.base, target_version=cmd.delta.target
-            )
+    if isinstance(cmd, SendManifest):
+        assert self.weights is not None  # still the base: the relay commits after the seal
+        if cmd.delta.target not in _forged:
+            d = encode(self.weights, _altered(self.weights), base_version=cmd.delta.base,
+                       target_version=cmd.delta.target)  # fmt: skip
             _forged[cmd.delta.target] = (pack_manifest(d.manifest), d.chunks)
-            await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(d.chunks)),
-                          _forged[cmd.delta.target][0])  # fmt: skip
-        elif isinstance(cmd, SendChunk):
-            stored = self.history[cmd.target]
-            if cmd.index == len(stored.chunks):
-                assert stored.seal is not None
-                await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
-            else:
-                await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), _forged[cmd.target][1][cmd.index])
+        manifest, chunks = _forged[cmd.delta.target]
+        await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(chunks)), manifest)
+    elif isinstance(cmd, SendChunk):
+        stored = self.history[cmd.target]
+        if cmd.index == len(stored.chunks):
+            assert stored.seal is not None
+            await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
         else:
-            await self._catch_up(ch, cmd)
+            await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), _forged[cmd.target][1][cmd.index])
+    else:
+        await self._catch_up(ch, cmd)
 
 
 def main() -> None:
@@ -87,7 +83,7 @@ def main() -> None:
     a = ap.parse_args()
     configure("info", "json")
     flow._send_delta = _forged_send_delta  # type: ignore[assignment]
-    flow.VersionFlow._send_all = _forged_send_all  # type: ignore[method-assign]
+    flow.VersionFlow._send_one = _forged_send_one  # type: ignore[method-assign]
     topo = load_topology(a.topology)
 
     async def run() -> None:

@@ -47,3 +47,13 @@ def test_k3_kl_by_hand() -> None:
     # ref 0.5, policy 0.25: d = log 2, k3 = 2 - log 2 - 1
     got = k3_kl(torch.log(torch.tensor([[0.5, 0.5]])), torch.log(torch.tensor([[0.25, 0.5]])), torch.ones(1, 2))
     assert float(got) == pytest.approx((2 - math.log(2) - 1 + 0.0) / 2)
+
+
+def test_dual_clip_bounds_a_negative_advantage_samples_pull() -> None:
+    # ratio e^10 with A = -1: the plain clipped objective would be -e^10; dual clip bounds it at 3 * A
+    logp, old = torch.tensor([[0.0]]), torch.tensor([[-10.0]])
+    loss, _ = clipped_surrogate(logp.requires_grad_(), old, torch.tensor([[-1.0]]), torch.ones(1, 1), 0.2)
+    assert float(loss.detach()) == pytest.approx(3.0)
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert logp.grad is not None
+    assert float(logp.grad) == 0.0  # a constant: no gradient from it

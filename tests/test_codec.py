@@ -187,3 +187,26 @@ def test_threads_give_identical_bytes_and_results() -> None:
     d2 = encode(b, t, base_version=0, target_version=1, threads=2)
     assert d1.chunks == d2.chunks
     assert apply(b, d2.manifest, d2.chunks, threads=2).digest() == t.digest()
+
+
+def test_a_version_that_changes_nothing_costs_a_manifest_and_reads_no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aurora.codec.weights as cw
+    from aurora.codec import apply, encode
+
+    rng = np.random.default_rng(0)
+    w = Weights.from_tensors({f"t{i}": rng.standard_normal((256, 256)).astype(np.float32) for i in range(20)})
+    w.tensor_digests()  # the base's digests are known (a published version's always are)
+    new = Weights({n: w[n] for n in w})  # the next version: a step that left every tensor alone
+    hashed: list[int] = []
+    real = cw.tensor_digest
+    monkeypatch.setattr(cw, "tensor_digest", lambda bits: hashed.append(bits.size) or real(bits))
+    d = encode(w, new, base_version=1, target_version=2)
+    assert hashed == []  # every tensor proved unchanged by identity: not a byte read
+    assert d.chunks == ()
+    assert d.nbytes < 120 * len(w)  # a manifest row per tensor, nothing per 4 MiB of weights
+    assert apply(w, d.manifest, []).digest() == w.digest()
+    # equal bits in other arrays: hashed once each, still no chunks
+    hashed.clear()
+    d2 = encode(w, w.copy(), base_version=1, target_version=2)
+    assert d2.chunks == ()
+    assert len(hashed) == len(w)

@@ -132,8 +132,8 @@ def test_future_format_version_is_rejected(pair: tuple[Weights, Weights]) -> Non
     b, t = pair
     d = encode(b, t, base_version=0, target_version=1)
     c = bytearray(d.chunks[0])
-    struct.pack_into("<H", c, 4, 2)
-    with pytest.raises(DeltaFormatError, match="version 2"):
+    struct.pack_into("<H", c, 4, 3)
+    with pytest.raises(DeltaFormatError, match="version 3"):
         DeltaReceiver(d.manifest).add(bytes(c))
     assert HEADER_BYTES == 80
 

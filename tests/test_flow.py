@@ -42,7 +42,7 @@ async def _listen(flow: VersionFlow, down: Channel) -> None:
         while True:
             m = (await down.recv()).msg
             assert isinstance(m, Have)
-            await flow.on_child_version(down.peer, m.v)
+            flow.on_child_version(down.peer, m.v)
 
 
 class Tree:
@@ -55,7 +55,8 @@ class Tree:
         self.links += [down, up]
         self.tg.create_task(_follow(child, up))
         self.tg.create_task(_listen(parent, down))
-        await parent.add_child(down, child.version)
+        parent.add_child(down, child.version)
+        self.tg.create_task(parent.serve_child(down))
 
     async def close(self) -> None:
         for ch in self.links:

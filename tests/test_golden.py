@@ -1,4 +1,4 @@
-"""Format v1 golden fixtures: the encoder's bytes and the decoder's reading must not drift."""
+"""Golden fixtures: the encoder's bytes (format v2) and the decoder's reading (v1 and v2) must not drift."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ import pytest
 
 from aurora.codec import Transform, apply
 from aurora.codec.container import read_delta
+from aurora.codec.format import FORMAT_VERSION
 from tests.golden_inputs import GOLDEN, golden_bytes, golden_pair
 
 
 @pytest.mark.parametrize("transform", [Transform.SUB, Transform.XOR])
 def test_encoder_reproduces_golden_bytes(transform: Transform) -> None:
-    want = (GOLDEN / f"v1-{transform.name.lower()}.audelta").read_bytes()
+    want = (GOLDEN / f"v{FORMAT_VERSION}-{transform.name.lower()}.audelta").read_bytes()
     assert golden_bytes(transform) == want
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("transform", [Transform.SUB, Transform.XOR])
-def test_golden_file_decodes_to_target(transform: Transform) -> None:
-    base, target = golden_pair()
-    m, chunks = read_delta(io.BytesIO((GOLDEN / f"v1-{transform.name.lower()}.audelta").read_bytes()))
-    assert (m.base_version, m.target_version, m.transform) == (7, 8, transform)
-    assert [t.name for t in m.tensors] == ["layer.weight", "scalar", "step"]
-    out = apply(base, m, list(chunks))
+def test_golden_file_decodes_to_target(transform: Transform, version: int) -> None:
+    base, target = golden_pair(unchanged=version >= 2)
+    m, chunks = read_delta(io.BytesIO((GOLDEN / f"v{version}-{transform.name.lower()}.audelta").read_bytes()))
+    assert (m.base_version, m.target_version, m.transform, m.format) == (7, 8, transform, version)
+    names = ["layer.weight", "scalar", "step"] if version == 1 else ["frozen", "layer.weight", "scalar", "step"]
+    assert [t.name for t in m.tensors] == names
+    chunks = list(chunks)
+    assert len(chunks) == m.n_chunks == 3  # v2: the unchanged tensor has none
+    out = apply(base, m, chunks)
     assert out.digest() == target.digest() == m.target_digest

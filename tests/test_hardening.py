@@ -249,3 +249,52 @@ def test_the_wire_limits_agree_with_the_codecs() -> None:
     assert wire.MAX_CHUNK_BYTES == fmt.MAX_CHUNK_BYTES
     assert wire.MAX_CHUNKS == fmt.MAX_CHUNKS
     assert wire.MAX_MANIFEST_BYTES <= fmt.MAX_MANIFEST_BYTES
+
+
+def test_a_workers_route_moves_only_with_its_want_while_its_child_is_attached() -> None:
+    from aurora.actors.work import Routes
+
+    r = Routes()
+    assert r.learn("rollout", "relay-a")
+    open_children = {"relay-a": object(), "relay-b": object()}
+    # a relay the rollout merely lists as a fallback sends renewals in its name: refused
+    assert not r.learn("rollout", "relay-b", moves=False, open_children=open_children)
+    assert r.child_for("rollout") == "relay-a"
+    # the rollout itself moved (its want comes through relay-b), or relay-a is gone: the route moves
+    assert r.learn("rollout", "relay-b", moves=True, open_children=open_children)
+    assert r.learn("rollout", "relay-a", moves=False, open_children={"relay-a": object()})
+    assert r.child_for("rollout") == "relay-a"
+
+
+def test_clients_choose_routing_ids_a_router_never_generates() -> None:
+    """libzmq aborts when an id it generates is one a client chose: Aurora's clients choose ids outside
+    the generated form (a zero byte and a 32-bit count), and generation starts at a random point."""
+    import zmq
+    from aurora.transport.zmq import ZmqClient
+
+    ctx = zmq.Context()
+    try:
+        r = ctx.socket(zmq.ROUTER)
+        port = r.bind_to_random_port("tcp://127.0.0.1")
+        d = ctx.socket(zmq.DEALER)
+        d.connect(f"tcp://127.0.0.1:{port}")
+        d.send(b"x")
+        generated = r.recv_multipart()[0]
+        assert generated[0] == 0 and len(generated) == 5  # noqa: PT018
+        assert generated != bytes.fromhex("006b8b4567")  # glibc's unseeded first rand()
+        for s in (r, d):
+            s.close(linger=0)
+    finally:
+        ctx.term()
+
+    async def mine() -> bytes:
+        client = ZmqClient("x", "tcp://127.0.0.1:1", "p")
+        async with asyncio.TaskGroup() as tg:
+            await client.start_in(tg)
+            rid = client.sock.getsockopt(zmq.ROUTING_ID)
+            await client.close()
+        return bytes(rid)
+
+    rid = asyncio.run(mine())
+    assert rid[0] == 1
+    assert len(rid) == 17

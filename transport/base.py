@@ -77,6 +77,14 @@ class Channel(Protocol):
         a peer that keeps at it has its channel closed."""
         ...
 
+    def abort(self, reason: str) -> None:
+        """Close now, telling the peer if that can be done without waiting."""
+        ...
+
+    async def wait_closed(self) -> None:
+        """Until the channel is closed (any cause)."""
+        ...
+
 
 class Transport(Protocol):
     """A node's side of one kind of link: dial peers by node id and address, accept the

@@ -61,6 +61,8 @@ class ChannelBase:
         self._open_ev.set()
         self.faults = 0
         """Bad messages this peer sent on this channel."""
+        self.cut_off = False
+        """Closed because the peer kept sending bad messages (its transport may ban it a while)."""
         self._fault_times: deque[float] = deque(maxlen=FAULTS_TO_CLOSE)
 
     @property
@@ -125,7 +127,11 @@ class ChannelBase:
             log.warning("bad_message", peer=self.peer, reason=reason[:300], suppressed=suppressed, faults=self.faults)
         if len(self._fault_times) == FAULTS_TO_CLOSE and now - self._fault_times[0] < FAULT_WINDOW_S:
             why = f"peer {self.peer!r} sent {FAULTS_TO_CLOSE} bad messages within {FAULT_WINDOW_S:g} s (last: {reason[:200]})"
+            self.cut_off = True
             self.abort(why)
+
+    async def wait_closed(self) -> None:
+        await self._closed_ev.wait()
 
     def abort(self, reason: str) -> None:
         """Close now, telling the peer if that can be done without waiting."""

@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +94,8 @@ MORE = 0x01
 CONTROL = 0x02
 MAX_LINK_FRAME = 4096
 MAX_ANSWERS_PER_PEER = 4
-"""Offers from one peer answered at once; more are refused (each costs a peer connection and ICE gathering)."""
+"""Offers being answered plus channels open, per peer; more offers are refused (each costs a peer connection,
+ICE gathering and an SCTP association)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,43 @@ def tune_sctp(cfg: RtcConfig) -> None:
     so this affects every association in the process (set once, at transport start)."""
     if cfg.sctp_rto_min_s is not None:
         _sctp.SCTP_RTO_MIN = cfg.sctp_rto_min_s  # type: ignore[assignment]
+    _bound_reassembly()
+
+
+REASSEMBLY_LIMIT_BYTES = 1 << 21
+"""What aiortc may hold of messages still being reassembled, per stream. Aurora never sends a data-channel
+message above `PIECE_BYTES`, and a well-behaved peer has at most a receive window (1 MiB in aiortc) in
+flight; aiortc itself keeps any number of fragments of a message that never ends, and rescans them all
+on every arrival (quadratic). Past the limit the stream's pending fragments are dropped, and the stream
+goes silent, so the channel's heartbeats stop and it closes as lost."""
+
+
+def _bound_reassembly() -> None:
+    """Patch aiortc's `InboundStream` once: reassembly bounded by `REASSEMBLY_LIMIT_BYTES`."""
+    stream = _sctp.InboundStream
+    if getattr(stream, "_aurora_bounded", False):
+        return
+    add, pop = stream.add_chunk, stream.pop_messages
+
+    def add_chunk(self: Any, chunk: Any) -> None:
+        if getattr(self, "_aurora_poisoned", False):
+            return
+        pending = getattr(self, "_aurora_bytes", 0) + len(chunk.user_data)
+        if pending > REASSEMBLY_LIMIT_BYTES:
+            self.reassembly.clear()
+            self._aurora_poisoned = True
+            log.warning("webrtc_reassembly_limit", limit_bytes=REASSEMBLY_LIMIT_BYTES)
+            return
+        self._aurora_bytes = pending
+        add(self, chunk)
+
+    def pop_messages(self: Any) -> Any:
+        yield from pop(self)
+        self._aurora_bytes = sum(len(c.user_data) for c in self.reassembly)
+
+    stream.add_chunk = add_chunk  # type: ignore[method-assign]
+    stream.pop_messages = pop_messages  # type: ignore[method-assign]
+    stream._aurora_bounded = True  # type: ignore[attr-defined]
 
 
 def sdp_fingerprints(sdp: str) -> set[str]:
@@ -221,6 +260,7 @@ class WebRtcChannel(ChannelBase):
         dc.on("message", self._on_piece)
         dc.on("bufferedamountlow", self._room_ev.set)
         self._closing: str | None = None
+        self._on_close: list[Callable[[], None]] = []
         dc.on("close", lambda: self._shut(self._closing or "peer closed the data channel"))
         pc.on("connectionstatechange", self._on_state)
 
@@ -330,6 +370,13 @@ class WebRtcChannel(ChannelBase):
 
     def _on_shut(self) -> None:
         self._room_ev.set()
+        for f in self._on_close:
+            f()
+        self._on_close.clear()
+
+    def on_close(self, f: Callable[[], None]) -> None:
+        """Call ``f`` once when the channel closes."""
+        self._on_close.append(f)
 
 
 @dataclass
@@ -345,7 +392,7 @@ class _Pending:
 class WebRtcTransport:
     """Dials peers and answers offers; channels come out of `connect` and `accept`."""
 
-    def __init__(self, node_id: str, cfg: RtcConfig | None = None) -> None:
+    def __init__(self, node_id: str, cfg: RtcConfig | None = None, *, accepting: bool = True) -> None:
         self.node_id = node_id
         self.cfg = cfg or RtcConfig()
         self._tg: asyncio.TaskGroup | None = None
@@ -355,7 +402,11 @@ class WebRtcTransport:
         self.refused: list[str] = []
         self.rendezvous: dict[str, Channel] = {}
         self._answering: dict[str, int] = {}
-        """Offers being answered, per peer (bounded: `MAX_ANSWERS_PER_PEER`)."""
+        """Offers being answered, per peer (with `_open`, bounded by `MAX_ANSWERS_PER_PEER`)."""
+        self._open: dict[str, int] = {}
+        """Channels accepted and still open, per peer."""
+        self.accepting = accepting
+        """Whether this node takes WebRTC children (answers offers) at all."""
 
     def start_in(self, tg: asyncio.TaskGroup) -> None:
         tune_sctp(self.cfg)
@@ -419,6 +470,13 @@ class WebRtcTransport:
     async def accept(self) -> WebRtcChannel:
         return await self._accepted.get()
 
+    def _closed_one(self, peer: str) -> None:
+        left = self._open.get(peer, 1) - 1
+        if left > 0:
+            self._open[peer] = left
+        else:
+            self._open.pop(peer, None)
+
     async def close(self) -> None:
         """Channels close themselves (and their peer connections) when their owners close them."""
 
@@ -427,9 +485,12 @@ class WebRtcTransport:
         stamped by the rendezvous as the channel's peer)."""
         assert self._tg is not None, "start_in() first"
         if isinstance(msg, RtcOffer):
-            busy = self._answering.get(msg.sender, 0)
+            if not self.accepting:
+                reply_via.fault("a WebRTC offer to a node that takes no WebRTC children")
+                return
+            busy = self._answering.get(msg.sender, 0) + self._open.get(msg.sender, 0)
             if busy >= MAX_ANSWERS_PER_PEER:
-                reply_via.fault(f"more than {MAX_ANSWERS_PER_PEER} WebRTC offers at once")
+                reply_via.fault(f"more than {MAX_ANSWERS_PER_PEER} WebRTC connections at once")
                 return
             self._answering[msg.sender] = busy + 1
             self._tg.create_task(self._answer(msg, reply_via))
@@ -503,6 +564,8 @@ class WebRtcTransport:
             await pc.close()
             raise
         ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg)
+        self._open[peer] = self._open.get(peer, 0) + 1
+        ch.on_close(lambda: self._closed_one(peer))
         assert self._tg is not None
         ch.start_in(self._tg)
         log.info("webrtc_accepted", node=self.node_id, peer=peer, id=cid)

@@ -9,8 +9,11 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
   heartbeat, ``x`` close. Buffers go out with ``copy=False``. Every frame is
   decoded and validated before anything acts on it; what fails is dropped and
   counted against the peer (`ChannelBase.fault`), never raised.
-* identity: a DEALER sets no routing id (the ROUTER gives each connection a random
-  one), so no client can take over another's route. Who a peer *is* comes from
+* identity: every DEALER sets a random 128-bit routing id, so no honest connection
+  depends on the ROUTER generating one (libzmq aborts the process when a generated id
+  collides with one a client chose), and the generated ids start at a random point (libc's
+  ``rand`` is seeded from the OS at import: unseeded, every process generates the same).
+  No client can take over another's route: the routing id is a route, never a name. Who a peer *is* comes from
   its CurveZMQ key when keys are on (the ZAP handler's User-Id, mapped to a node
   name by the topology's keys; a heartbeat naming another node is refused), and
   from the name in its heartbeats otherwise. Frames from a connection other than
@@ -30,12 +33,20 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
 * CurveZMQ when keys are given: the server's secret key, and the map of client
   public keys to node names; any other client is refused by ZAP and logged.
 * frames above ``max_frame_bytes`` are refused at `send` (`FrameTooLarge`) and
-  by the receiving socket (``ZMQ_MAXMSGSIZE``), never buffered.
+  by the receiving socket (``ZMQ_MAXMSGSIZE``), never buffered; a message of more frames
+  than any message has is dropped as malformed (libzmq bounds each frame, not their number).
+* a peer whose channel was cut off for bad messages, or that keeps sending frames no
+  channel takes, is banned for `BAN_S`: its heartbeats open no new channel meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import os
+import secrets
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +55,7 @@ import structlog
 import zmq
 import zmq.asyncio
 from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings, new_incarnation
-from aurora.transport.channel import ChannelBase
+from aurora.transport.channel import FAULT_WINDOW_S, ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from aurora.auth.keys import CurveKeys, NodeKeys
@@ -52,6 +63,7 @@ from aurora.errors import ConfigError, ProtocolError, TransportClosed
 from aurora.logs import Throttle
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost, PeerRejoined
 from aurora.protocol.messages import (
+    MAX_PROBE_BUFFERS,
     MAX_REASON_CHARS,
     BadMessage,
     LinkBeat,
@@ -65,6 +77,21 @@ from aurora.protocol.messages import (
 )
 
 log = structlog.get_logger("aurora.transport.zmq")
+
+
+def _seed_libc_rand() -> None:
+    """libzmq picks the first routing id a ROUTER generates with libc's ``rand()``; seed it from the OS."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).srand(int.from_bytes(os.urandom(4), "little"))
+
+
+_seed_libc_rand()
+MAX_FRAMES = 2 + 1 + MAX_PROBE_BUFFERS
+"""Routing id (ROUTER side), link frame, header, and at most this many buffers."""
+BAN_S = 60.0
+BAD_FRAMES_TO_BAN = 64
+"""Frames that reach no channel (malformed, or from a connection it does not own) a known peer may
+send within `FAULT_WINDOW_S` before it is banned."""
 
 _DATA = encode_link(LinkData())
 _quiet = Throttle(every_s=5.0)
@@ -182,6 +209,9 @@ class _Endpoint:
         self._closed = False
         self.dropped = 0
         """Frames dropped before reaching a channel (malformed, from an unknown or stale connection)."""
+        self.banned: dict[str, float] = {}
+        """Peers whose heartbeats open no channel until the time given (loop time)."""
+        self._bad: dict[str, deque[float]] = {}
 
     def _setup(self, sock: zmq.asyncio.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -193,13 +223,41 @@ class _Endpoint:
         if self.channels.get(ch.peer) is ch:
             del self.channels[ch.peer]
             self.live.remove_peer(ch.peer)
+            if ch.cut_off:
+                self._ban(ch.peer, "its channel was cut off for bad messages")
 
-    def _drop(self, source: str, reason: str) -> None:
-        """A frame that reaches no channel: counted, logged at most every few seconds per source."""
+    def _ban(self, peer: str, why: str) -> None:
+        self.banned[peer] = asyncio.get_running_loop().time() + BAN_S
+        while len(self.banned) > 4096:
+            del self.banned[next(iter(self.banned))]
+        log.warning("peer_banned", node=self.node_id, peer=peer, ban_s=BAN_S, reason=why)
+
+    def _is_banned(self, peer: str, now: float) -> bool:
+        until = self.banned.get(peer)
+        if until is None:
+            return False
+        if now >= until:
+            del self.banned[peer]
+            return False
+        return True
+
+    def _drop(self, source: str, reason: str, *, peer: str | None = None) -> None:
+        """A frame that reaches no channel: counted, logged at most every few seconds per source; a
+        known ``peer`` that keeps sending them is banned."""
         self.dropped += 1
-        suppressed = _quiet.allow(f"{self.node_id}/{source}", asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        suppressed = _quiet.allow(f"{self.node_id}/{source}", now)
         if suppressed is not None:
             log.warning("bad_frame", node=self.node_id, source=source, reason=reason[:300], suppressed=suppressed)
+        if peer is not None:
+            times = self._bad.setdefault(peer, deque(maxlen=BAD_FRAMES_TO_BAN))
+            times.append(now)
+            if len(times) == BAD_FRAMES_TO_BAN and now - times[0] < FAULT_WINDOW_S:
+                times.clear()
+                self._ban(peer, f"{BAD_FRAMES_TO_BAN} frames no channel takes within {FAULT_WINDOW_S:g} s")
+                ch = self.channels.get(peer)
+                if ch is not None:
+                    ch.abort("banned")
 
     async def accept(self) -> ZmqChannel:
         """The next new channel: on a server, a child that said hello (or came back after a
@@ -244,6 +302,8 @@ class _Endpoint:
 
     def _beat_from(self, peer: str, route: bytes | None, hb: LinkBeat, now: float) -> None:
         """A valid heartbeat from ``peer`` (identified already) on connection ``route``."""
+        if self._is_banned(peer, now):
+            return
         ch = self.channels.get(peer)
         if ch is None:  # a new peer, or one back after being lost: a fresh channel
             ch = self._open(peer, route)
@@ -307,7 +367,7 @@ class ZmqServer(_Endpoint):
         if not ok:
             if len(self.refused) < 1000:
                 self.refused.append(key)
-            suppressed = _quiet.allow(f"{self.node_id}/zap/{key!r}", asyncio.get_running_loop().time())
+            suppressed = _quiet.allow(f"{self.node_id}/zap", asyncio.get_running_loop().time())
             if suppressed is not None:
                 log.warning("curve_client_refused", server=self.node_id, client_key=key.decode(errors="replace"),
                             suppressed=suppressed)  # fmt: skip
@@ -369,6 +429,9 @@ class ZmqServer(_Endpoint):
             frames = await self.sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
+            if len(frames) > MAX_FRAMES:
+                self._drop(frames[0].bytes.hex(), f"a message of {len(frames)} frames")
+                continue
             self._handle(frames[0].bytes, frames[1:])
 
     def _handle(self, route: bytes, frames: list[zmq.Frame]) -> None:
@@ -376,7 +439,8 @@ class ZmqServer(_Endpoint):
         try:
             link = decode_link(frames[0].buffer)
         except BadMessage as e:
-            self._drop(source, e.reason)
+            known = self._routes.get(route)
+            self._drop(source, e.reason, peer=None if known is None else known.peer)
             return
         key_name = None
         if self.clients is not None:
@@ -392,7 +456,7 @@ class ZmqServer(_Endpoint):
         if isinstance(link, LinkBeat):
             claimed = link.n
             if key_name is not None and claimed is not None and claimed != key_name:
-                self._drop(key_name, f"the key of {key_name!r} sent heartbeats as {claimed!r}: refused")
+                self._drop(key_name, f"the key of {key_name!r} sent heartbeats as {claimed!r}: refused", peer=key_name)
                 return
             peer = key_name or claimed
             if peer is None:
@@ -402,7 +466,7 @@ class ZmqServer(_Endpoint):
             return
         ch = self._routes.get(route)
         if ch is None or (key_name is not None and ch.peer != key_name):
-            self._drop(source, "a frame from a connection with no channel (a stale or unknown one)")
+            self._drop(source, "a frame from a connection with no channel (a stale or unknown one)", peer=key_name)
             return
         self.live.heard(ch.peer, now)
         ch._on_frame(link, [f.buffer for f in frames[1:]])
@@ -429,6 +493,7 @@ class ZmqClient(_Endpoint):
     async def start_in(self, tg: asyncio.TaskGroup) -> ZmqChannel:
         self.sock = self.ctx.socket(zmq.DEALER)
         self._setup(self.sock)
+        self.sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(16))  # never one a ROUTER generates
         self.sock.setsockopt(zmq.RECONNECT_IVL, self.cfg.reconnect_ivl_ms)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.cfg.reconnect_ivl_max_ms)
         if self.curve is not None:
@@ -454,7 +519,9 @@ class ZmqClient(_Endpoint):
     async def _recv_loop(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            if frames:
+            if len(frames) > MAX_FRAMES - 1:
+                self._drop(self.server_id, f"a message of {len(frames)} frames")
+            elif frames:
                 self._handle(frames)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:

@@ -16,6 +16,7 @@ from aurora.codec.format import (
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
     MAX_MANIFEST_BYTES,
+    READABLE_VERSIONS,
     Manifest,
     pack_manifest,
     unpack_manifest,
@@ -28,7 +29,7 @@ _REC = struct.Struct("<I")
 
 def write_delta(f: BinaryIO, manifest: Manifest, chunks: Iterable[bytes]) -> int:
     """Write a delta file; returns bytes written."""
-    n = f.write(FILE_MAGIC + struct.pack("<H", FORMAT_VERSION))
+    n = f.write(FILE_MAGIC + struct.pack("<H", max(FORMAT_VERSION, manifest.format)))
     for rec in _chain(manifest, iter(chunks)):
         n += f.write(_REC.pack(len(rec)))
         n += f.write(rec)
@@ -53,8 +54,9 @@ def read_delta(f: BinaryIO) -> tuple[Manifest, Iterator[bytes]]:
     if len(head) < 6 or head[:4] != FILE_MAGIC:
         raise DeltaFormatError("not an Aurora delta file (bad magic)")
     (version,) = struct.unpack("<H", head[4:])
-    if version != FORMAT_VERSION:
-        raise DeltaFormatError(f"delta file version {version} is not supported (this build reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise DeltaFormatError(f"delta file version {version} is not supported (this build reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))})")  # fmt: skip
     (mlen,) = _REC.unpack(_read_exact(f, 4, "the manifest length"))
     if mlen > MAX_MANIFEST_BYTES:
         raise DeltaFormatError(f"manifest record of {mlen} bytes is too large")

@@ -66,6 +66,8 @@ class DeltaReceiver:
         """The (tensor, chunk) indices not yet received, in order (the first ``limit`` of them)."""
         out: list[tuple[int, int]] = []
         for ti, t in enumerate(self.manifest.tensors):
+            if not self.manifest.carries(t):
+                continue
             for ci in range(t.n_chunks):
                 if (ti, ci) not in self._chunks:
                     out.append((ti, ci))
@@ -87,6 +89,8 @@ class DeltaReceiver:
         if h.tensor_index >= len(m.tensors):
             raise DeltaFormatError(f"{where}: the manifest has only {len(m.tensors)} tensors")
         entry = m.tensors[h.tensor_index]
+        if not m.carries(entry):
+            raise DeltaFormatError(f"{where}: tensor {entry.name!r} is unchanged by this delta and has no chunks")
         if h.chunk_index >= entry.n_chunks:
             raise DeltaFormatError(f"{where}: tensor {entry.name!r} has only {entry.n_chunks} chunks")
         if (h.start, h.stop) != chunk_range(entry.numel, entry.dtype, h.chunk_index) or h.dtype != entry.dtype:
@@ -216,7 +220,7 @@ class StagedDelta:
                     old = np.empty_like(p.new)
                     kernels.scatter(dst, p.idx, p.new, old)
                 undo.append((p, old))
-            weights.forget_digests()
+            weights.forget_digests({p.name for p in self.patches})  # the others' bits did not change
             digests = weights.tensor_digests()
             bad = [t.name for t in m.tensors if digests[t.name] != t.target_digest]
             if bad:
@@ -233,7 +237,7 @@ class StagedDelta:
                     dst[p.start : p.start + p.n] = old
                 else:
                     dst[p.idx] = old
-            weights.forget_digests()
+            weights.forget_digests({p.name for p in self.patches})
             raise
         return self.touched()
 

@@ -56,6 +56,8 @@ def make_manifest(base: Weights | None, target: Weights, base_version: int | Non
     if base is not None:
         check_compatible(base, target)
     bd = base.tensor_digests() if base is not None else None
+    if base is not None:
+        target.share_digests(base)  # tensors that are the base's own arrays: unchanged, no hashing
     td = target.tensor_digests()
     base_digest = base.digest() if base is not None else None
     target_digest = target.digest()
@@ -135,6 +137,11 @@ def iter_chunks(
 
     def jobs() -> Iterator[tuple[int, int]]:
         for ti, entry in enumerate(manifest.tensors):
+            if not manifest.carries(entry):  # unchanged: no chunks, no scan
+                if stats is not None:
+                    stats.elements += entry.numel
+                    stats.weight_bytes += entry.numel * entry.dtype.itemsize
+                continue
             for ci in range(entry.n_chunks):
                 yield ti, ci
 

@@ -17,7 +17,10 @@ from aurora.codec.digest import DIGEST_BYTES, digest_bytes
 from aurora.codec.dtypes import BY_CODE, BY_NAME, DType
 from aurora.errors import DeltaFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""v2: a tensor that a delta leaves unchanged (its target digest is its base digest) carries no chunks,
+so a version that changes nothing costs a manifest row per tensor. v1 (every tensor chunked) is read too."""
+READABLE_VERSIONS = (1, 2)
 CHUNK_MAGIC = b"AUDC"
 MANIFEST_MAGIC = b"AUDM"
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -95,8 +98,9 @@ def unpack_chunk(data: bytes | bytearray | memoryview) -> Chunk:
     )
     if magic != CHUNK_MAGIC:
         raise DeltaFormatError(f"not a delta chunk (magic {bytes(magic)!r})")
-    if version != FORMAT_VERSION:
-        raise DeltaFormatError(f"chunk format version {version} is not supported (this build reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise DeltaFormatError(f"chunk format version {version} is not supported (this build reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))})")  # fmt: skip
     if len(mv) != HEADER_BYTES + blen:
         raise DeltaFormatError(f"chunk length {len(mv)} does not match its header (body {blen} bytes)")
     if digest_bytes(mv[: _HEAD.size], mv[HEADER_BYTES:]) != bytes(mv[_HEAD.size : HEADER_BYTES]):
@@ -160,14 +164,20 @@ class Manifest:
     target_digest: bytes
     transform: Transform
     tensors: tuple[TensorEntry, ...]
+    format: int = FORMAT_VERSION
+    """The format this manifest is written in (it is re-packed in it, byte for byte)."""
 
     @property
     def is_snapshot(self) -> bool:
         return self.base_version is None and self.base_digest is None
 
+    def carries(self, t: TensorEntry) -> bool:
+        """Does tensor ``t`` have chunks in this delta? (From v2 on, not when the delta leaves it unchanged.)"""
+        return self.format < 2 or self.is_snapshot or t.base_digest != t.target_digest
+
     @property
     def n_chunks(self) -> int:
-        return sum(t.n_chunks for t in self.tensors)
+        return sum(t.n_chunks for t in self.tensors if self.carries(t))
 
     def index_of(self, name: str) -> int:
         for i, t in enumerate(self.tensors):
@@ -201,7 +211,7 @@ def pack_manifest(m: Manifest) -> bytes:
         },
         use_bin_type=True,
     )
-    head = MANIFEST_MAGIC + struct.pack("<HI", FORMAT_VERSION, len(body))
+    head = MANIFEST_MAGIC + struct.pack("<HI", m.format, len(body))
     return b"".join((head, body, digest_bytes(head, body)))
 
 
@@ -223,10 +233,9 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     if len(mv) < 10 + DIGEST_BYTES or bytes(mv[:4]) != MANIFEST_MAGIC:
         raise DeltaFormatError("not a delta manifest (bad magic or too short)")
     version, blen = struct.unpack_from("<HI", mv, 4)
-    if version != FORMAT_VERSION:
-        raise DeltaFormatError(
-            f"manifest format version {version} is not supported (this build reads {FORMAT_VERSION})"
-        )
+    if version not in READABLE_VERSIONS:
+        raise DeltaFormatError(f"manifest format version {version} is not supported (this build reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))})")  # fmt: skip
     if blen > MAX_MANIFEST_BYTES or len(mv) != 10 + blen + DIGEST_BYTES:
         raise DeltaFormatError(f"manifest length {len(mv)} does not match its header ({blen}-byte body)")
     if digest_bytes(mv[:10], mv[10 : 10 + blen]) != bytes(mv[10 + blen :]):
@@ -279,6 +288,7 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         target_digest=_digest_field(d["target_digest"], "target_digest") or b"",
         transform=Transform.XOR if d["transform"] == "xor" else Transform.SUB,
         tensors=tuple(tensors),
+        format=version,
     )
     _need(m.delta_id == delta_id_for(bv, tv, m.base_digest, m.target_digest), "delta_id does not match versions")
     _need((bv is None) == (m.base_digest is None), "base_version and base_digest must both be set or both nil")

@@ -7,7 +7,7 @@ bit views; everything else in `aurora.codec` works on it. Building one from a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,12 +72,31 @@ class Weights(Mapping[str, TensorBits]):
     def tensor_digests(self) -> dict[str, bytes]:
         """Per-tensor digests; computed once and cached (treat the bits as frozen)."""
         if self._digests is None:
-            self._digests = {n: tb.digest() for n, tb in self._items.items()}
+            self._digests = {}
+        if len(self._digests) < len(self._items):
+            for n, tb in self._items.items():
+                if n not in self._digests:
+                    self._digests[n] = tb.digest()
         return self._digests
 
-    def forget_digests(self) -> None:
-        """Call after changing bits in place."""
-        self._digests = None
+    def forget_digests(self, names: Iterable[str] | None = None) -> None:
+        """Call after changing bits in place (``names``: of these tensors only)."""
+        if names is None or self._digests is None:
+            self._digests = None
+            return
+        for n in names:
+            self._digests.pop(n, None)
+
+    def share_digests(self, other: Weights) -> None:
+        """Take ``other``'s digests for every tensor that is the very same array here (a tensor a step
+        left alone): proved unchanged without reading a byte of it."""
+        theirs = other._digests or {}
+        mine = self._digests if self._digests is not None else {}
+        for n, tb in self._items.items():
+            o = other._items.get(n)
+            if n not in mine and n in theirs and o is not None and o.bits is tb.bits:
+                mine[n] = theirs[n]
+        self._digests = mine
 
     def digest(self) -> bytes:
         d = self.tensor_digests()

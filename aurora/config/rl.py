@@ -81,6 +81,9 @@ class ArithmeticSpec:
     chat: bool = False
     """Ask in words through the model's chat template, and read the answer as the last number of the
     reply (for instruction-tuned models); False: the bare ``a+b=`` prompt, answer the whole reply."""
+    concise: bool = False
+    """With ``chat``: ask for only the number, and give full credit only to a reply that is just the
+    number (half to the right number among other words)."""
 
     def __post_init__(self) -> None:
         if self.max_operand < 1:

@@ -53,7 +53,8 @@ MIN_LOGPROB = -1e4
 """Below any log-probability a sampled token can have; the coordinator applies the real rule."""
 MAX_CHUNKS = 1 << 20
 """Chunks of one delta (4 TiB of weights at 4 MiB a chunk)."""
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""A manifest is a row a tensor (~100 B): this is 100,000+ tensors; nodes' links refuse larger frames."""
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 """As `aurora.codec.format.MAX_CHUNK_BYTES` (a test keeps them equal)."""
 MAX_SEAL_BYTES = 1024

@@ -4,6 +4,9 @@
   ``A = (r - mean) / (std + eps)`` (sample standard deviation; a flat group gets 0);
 * `clipped_surrogate` — the PPO/GRPO objective per response token,
   ``-min(ρA, clip(ρ, 1-ε, 1+ε)A)`` with ``ρ = exp(logp - old)``, averaged over the masked tokens;
+  for a negative advantage the objective is also bounded below by ``c·A`` (dual clip, c =
+  ``dual_clip``): a sample whose ratio is huge — a behaviour log-probability far below the
+  learner's, an error or a lie — contributes a constant, not a gradient that swamps the step;
 * `k3_kl` — the k3 estimator of KL(π_θ ‖ π_ref), ``exp(d) - d - 1`` with ``d = ref - logp``,
   averaged over the masked tokens.
 
@@ -24,12 +27,17 @@ def group_advantages(rewards: torch.Tensor, eps: float = ADV_EPS) -> tuple[torch
     return (rewards - rewards.mean()) / (std + eps), std
 
 
+DUAL_CLIP = 3.0
+"""c of dual-clip PPO (Ye et al. 2020, the value they use)."""
+
+
 def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                      clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                      clip_eps: float, dual_clip: float = DUAL_CLIP) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(the loss to minimise, the importance ratios ρ). ``logp``/``old``/``mask``: [batch, T];
     ``adv``: [batch, 1]. Masked-out positions have ρ = 1 and count for nothing."""
     ratio = torch.exp((logp - old) * mask)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
     return -(surrogate * mask).sum() / mask.sum(), ratio
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,21 +52,52 @@ def _exact(answer: str, text: str) -> Score:
     return Score(0.0, False)
 
 
+_NUMBER = re.compile(r"-?\d[\d,]*")
+
+
+def last_number(text: str) -> str | None:
+    """The last integer in a reply (thousands separators dropped), as a chat model states its answer."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def _same_number(a: str, b: str) -> bool:
+    return a.startswith("-") == b.startswith("-") and (a.lstrip("-").lstrip("0") or "0") == (
+        b.lstrip("-").lstrip("0") or "0"
+    )
+
+
+def _answered(answer: str, text: str, concise: bool = False) -> Score:
+    """A chat reply: 1 when its last number is the answer, else 0. ``concise``: 1 only for a reply that
+    is just the number (a trailing full stop allowed), 0.5 for the right number among other words."""
+    got = last_number(text)
+    if got is None or not _same_number(got, answer):
+        return Score(0.0, False)
+    if concise and not _same_number(text.strip().rstrip(".").strip(), answer):
+        return Score(0.5, True)
+    return Score(1.0, True)
+
+
 @dataclass(frozen=True, slots=True)
 class ArithmeticTask:
-    """``a+b=`` → ``a+b`` in decimal, operands uniform in [0, max_operand]."""
+    """The sum of ``operands`` numbers uniform in [0, max_operand]: as ``a+b=`` (answer: the whole
+    reply, with partial credit), or with ``chat`` as a question in words, the answer read as the
+    reply's last number."""
 
     spec: ArithmeticSpec = field(default_factory=ArithmeticSpec)
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(seed)
-        m = self.spec.max_operand
+        m, k = self.spec.max_operand, self.spec.operands
         for i in itertools.count():
-            a, b = rng.randint(0, m), rng.randint(0, m)
-            yield Prompt(i, f"{a}+{b}=", str(a + b))
+            xs = [rng.randint(0, m) for _ in range(k)]
+            expr = "+".join(map(str, xs))
+            ask = "Reply with only the number." if self.spec.concise else "Give the answer as a number."
+            text = f"What is {expr}? {ask}" if self.spec.chat else f"{expr}="
+            yield Prompt(i, text, str(sum(xs)))
 
     def score(self, answer: str, text: str) -> Score:
-        return _exact(answer, text)
+        return _answered(answer, text, self.spec.concise) if self.spec.chat else _exact(answer, text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +107,11 @@ class JsonlTask:
 
     path: str
     rows: tuple[tuple[str, str], ...]
+    chat: bool = False
+    """Score the reply's last number (a chat model's answer) instead of the whole reply."""
 
     @classmethod
-    def load(cls, path: Path) -> JsonlTask:
+    def load(cls, path: Path, chat: bool = False) -> JsonlTask:
         rows = []
         try:
             lines = path.read_text().splitlines()
@@ -93,7 +127,7 @@ class JsonlTask:
                 raise ConfigError(f'{path}:{n}: expected {{"prompt": ..., "answer": ...}} ({e!r})') from None
         if not rows:
             raise ConfigError(f"{path} holds no prompts")
-        return cls(str(path), tuple(rows))
+        return cls(str(path), tuple(rows), chat)
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(seed)
@@ -106,11 +140,11 @@ class JsonlTask:
                 yield Prompt(next(ids), text, answer)
 
     def score(self, answer: str, text: str) -> Score:
-        return _exact(answer, text)
+        return _answered(answer, text) if self.chat else _exact(answer, text)
 
 
 def make_task(spec: TaskSpec) -> Task:
     """The task a topology's ``task:`` section describes (its paths already resolved)."""
     if isinstance(spec, ArithmeticSpec):
         return ArithmeticTask(spec)
-    return JsonlTask.load(Path(spec.path))
+    return JsonlTask.load(Path(spec.path), spec.chat)

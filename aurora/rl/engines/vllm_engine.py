@@ -56,6 +56,7 @@ from aurora.rl.types import Completion, Prompt, Sample
 _FUSED = re.compile(r"^(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.(?P<leaf>weight|bias)$")
 _GROUP = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+TIED_HEAD, TIED_EMBED = "lm_head.weight", "model.embed_tokens.weight"
 log = structlog.get_logger("aurora.rl.engines.vllm")
 
 
@@ -129,6 +130,18 @@ def _write_in_place(worker: Any, fused: dict[str, torch.Tensor]) -> None:
                 p.copy_(t)
 
 
+def _repack_tied_head(worker: Any) -> None:
+    """Runs in the vLLM worker: the LM head shares the embedding's weight, but its kernel may compute
+    with a copy packed when it was loaded (the CPU backend packs by instruction set); neither a write
+    into the embedding nor vLLM's reload (which has no ``lm_head.weight`` to load) repacks it. Repack."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None:
+        with torch.no_grad():
+            method.process_weights_after_loading(head)
+
+
 class VllmEngine(VerifiedApply):
     """`Engine` on a vLLM `LLM` (see the module docstring)."""
 
@@ -150,6 +163,8 @@ class VllmEngine(VerifiedApply):
         head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self._split = {"qkv_proj": [cfg.num_attention_heads * head, cfg.num_key_value_heads * head,
                                     cfg.num_key_value_heads * head]}  # fmt: skip
+        self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        """The LM head shares the embedding's weight (SmolLM2, Gemma): the checkpoint has no ``lm_head.weight``."""
         self._host: Weights | None = None
         self._direct = True
         """Switch versions by `_write_in_place`; False after it failed once (then `reload_weights`)."""
@@ -174,6 +189,8 @@ class VllmEngine(VerifiedApply):
         if not written:  # every tensor, through vLLM's own reload (the first load, a retry, a fallback)
             batch: Iterator[tuple[str, torch.Tensor]] = iter(list(tensors.items()))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
+        if self._tied and (names is None or not written or TIED_EMBED in names):
+            self.llm.collective_rpc(_repack_tied_head)
         self.llm.reset_prefix_cache()
         self._host = host
 
@@ -191,8 +208,19 @@ class VllmEngine(VerifiedApply):
 
     def _names(self) -> set[str]:
         if not hasattr(self, "_checkpoint_names"):
-            self._checkpoint_names = set(self._unfuse(self.llm.collective_rpc(_read_back)[0]))
+            self._checkpoint_names = set(self._untie(self._unfuse(self.llm.collective_rpc(_read_back)[0])))
         return self._checkpoint_names
+
+    def _untie(self, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A model with tied embeddings has no ``lm_head.weight`` of its own (the checkpoint holds only
+        the embedding): the LM head read through its kernel must equal the embedding, and then it is
+        not a tensor of the version. If it differs (a stale copy the kernel computes with), it stays,
+        so the read-back cannot hash to the version's digest and the engine reloads."""
+        head, embed = got.get(TIED_HEAD), got.get(TIED_EMBED)
+        # equal as numbers: bit for bit but for the sign of zero, which a matmul cannot show
+        if self._tied and head is not None and embed is not None and torch.equal(head, embed):
+            del got[TIED_HEAD]
+        return got
 
     def _unfuse(self, fused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -208,7 +236,7 @@ class VllmEngine(VerifiedApply):
         return out
 
     def weights(self) -> Weights:
-        got = self._unfuse(self.llm.collective_rpc(_read_back)[0])
+        got = self._untie(self._unfuse(self.llm.collective_rpc(_read_back)[0]))
         host = self._host.to_tensors() if self._host is not None else {}
         for n, t in got.items():
             h = host.get(n)

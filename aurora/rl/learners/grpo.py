@@ -76,6 +76,8 @@ class _Trained:
     """The last finite one (0.0 when nothing was trained)."""
     skipped: int = 0
     """Epochs skipped for a non-finite loss or gradient norm."""
+    stepped: int = 0
+    """Optimizer steps taken."""
 
 
 def _mean(xs: list[float], digits: int) -> float | None:
@@ -100,6 +102,8 @@ class GrpoLearner:
         self.params = dict(self.model.named_parameters())
         self.opt = self._optimizer()
         self.ref: Any = None
+        self._published: Weights | None = None
+        """The last version returned: a step that trains nothing returns it again (unchanged, same arrays)."""
         self.version = 0
         self.stats: dict[str, Any] = {}
         self.batch_size, self.interval_s, self.group_size, self.seed = (
@@ -123,7 +127,8 @@ class GrpoLearner:
         if bad:
             raise LearnerError(f"version {self.version} would hold non-finite values (first in {bad[0]!r}); "
                                "not published")  # fmt: skip
-        return Weights.from_tensors(cast)
+        self._published = Weights.from_tensors(cast)
+        return self._published
 
     def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
         """The prompt's token ids, as workers generate from them and the learner trains on them."""
@@ -145,6 +150,7 @@ class GrpoLearner:
         """Continue after ``version`` (the store's latest): from the newest checkpoint at or before it,
         else from its weights with a fresh optimiser."""
         ckpt = self._latest_checkpoint(version)
+        self._published = None
         if ckpt is None:
             tensors = weights.to_tensors()
             if set(tensors) != set(self.params):
@@ -242,6 +248,8 @@ class GrpoLearner:
             and self.version % self.spec.checkpoint_every == 0
         ):
             self.save_checkpoint(self.version)
+        if train.stepped == 0 and self._published is not None:
+            return self._published  # nothing trained: the same version, every tensor the very same array
         return self.weights()
 
     def _score(self, prompt: Prompt, comp: Completion) -> _Scored:
@@ -282,6 +290,7 @@ class GrpoLearner:
                 out.skipped += 1
                 continue
             self.opt.step()
+            out.stepped += 1
             out.grad_norm = norm
             out.losses.append(float(loss.detach()))
             out.clipped.append(clip_fraction(ratio, targets, self.spec.clip_eps))

@@ -3,7 +3,7 @@
 It produces versions with the statistics that matter for weight sync: bf16
 weights ~N(0, 0.02) in a few tensors, of which a configurable ``density``
 fraction moves by ±1–2 ULP per step (bit-pattern steps, as lr ~1e-6 AdamW
-updates that survive the bf16 cast do). It is clearly a benchmark/test load,
+updates that survive the bf16 cast do), never to a non-finite or subnormal value. It is clearly a benchmark/test load,
 not training: it ignores its samples. With ``model:`` it starts from a locally
 built model's weights instead, so that rollout engines on that model serve
 (and really change with) every version.
@@ -84,8 +84,11 @@ class SyntheticLearner:
             pos = self.rng.choice(bits.size, size=k, replace=False)
             steps = self.rng.choice(np.array([-2, -1, 1, 2], dtype=np.int32), size=k, p=[0.1, 0.4, 0.4, 0.1])
             moved = (bits[pos].astype(np.int32) + steps).astype(np.uint16)
-            finite = (moved & 0x7F80) != 0x7F80  # a step never makes an inf or a NaN
-            bits[pos[finite]] = moved[finite]
+            exp = moved & 0x7F80
+            # a step never makes an inf or a NaN, nor a subnormal (below 1.2e-38: no real update lands
+            # there, and CPU kernels flush them to zero, so no engine computes with one)
+            normal = (exp != 0x7F80) & ((exp != 0) | ((moved & 0x7F) == 0))
+            bits[pos[normal]] = moved[normal]
         return self._weights()
 
 
