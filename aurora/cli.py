@@ -214,10 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start every node of the topology as its own process (parents first), show "
                        "the cluster's status as it changes (read from the trainer over the control channel, as "
                        "aurora status does: versions, results accepted and rejected, leases, bytes received, sync "
-                       "times, tokens/s), and stop everything (children first) once the trainer has published "
+                       "times, tokens/s; on a terminal one table redrawn in place with the run's progress, piped "
+                       "one line per step), and stop everything (children first) once the trainer has published "
                        "run.steps versions and every node holds the last one, or on Ctrl-C. A missing model "
-                       "directory (model.path) is first created from model.preset, as `aurora model init` does. "
-                       "Each node's JSON log is kept in the state directory as NODE.log; after an RL run it also "
+                       "directory (model.path) is first made: fetched when model.fetch names a known pretrained "
+                       "model (as `aurora model fetch` does; the download is cached in $AURORA_CACHE/fetch, default "
+                       "~/.cache/aurora/fetch), else built from model.preset (as `aurora model init` does). Missing "
+                       "keys of the topology's key directory are made too (every node runs here). Each node's JSON log is kept in the state directory as NODE.log; after an RL run it also "
                        "holds metrics.jsonl (one line per step: reward, accuracy, delta bytes and density, sync "
                        "time, ...) and metrics.png (their plot).")  # fmt: skip
     r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
@@ -419,14 +422,18 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 def _fetch_cache(args: argparse.Namespace) -> Path | None:
     """The GGUF cache: --cache, else $AURORA_CACHE/fetch, else ~/.cache/aurora/fetch; None with --no-cache."""
-    import os
-
     if args.no_cache:
         if args.cache is not None:
             raise AuroraError("give --cache or --no-cache, not both")
         return None
     if args.cache is not None:
         return Path(args.cache)
+    return _default_cache()
+
+
+def _default_cache() -> Path:
+    import os
+
     root = os.environ.get("AURORA_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "aurora") / "fetch"
 
@@ -544,7 +551,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             view.message(str(what))
 
     try:
-        run(args.topology, progress=show, state=args.state)
+        run(args.topology, progress=show, state=args.state, cache=_default_cache())
     finally:
         view.close()
     return 0

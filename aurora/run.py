@@ -177,12 +177,12 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0,
-        state: Path | None = None) -> dict[str, NodeStatus]:  # fmt: skip
+def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0, state: Path | None = None,
+        cache: Path | None = None) -> dict[str, NodeStatus]:  # fmt: skip
     """Run the topology at ``path``; ``state`` defaults to ``runs/NAME-TIME`` (kept)."""
     topo = load_topology(path)
     tree = plan(topo, str(path))
-    ensure_model(topo, path, progress)
+    ensure_model(topo, path, progress, cache)
     ensure_keys(topo, path, progress)
     if state is None:
         state = Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -206,15 +206,24 @@ def compute_threads(topo: Topology) -> int | None:
     return max(1, (os.cpu_count() or 1) // computing)
 
 
-def ensure_model(topo: Topology, path: Path, progress: Progress) -> None:
-    """Create the topology's model directory from its preset if it is missing (``aurora model init``)."""
+def ensure_model(topo: Topology, path: Path, progress: Progress, cache: Path | None = None) -> None:
+    """Make the topology's model directory if it is missing: fetch the known model ``model.fetch``
+    names (``aurora model fetch``; the download is kept in ``cache``), else build ``model.preset``
+    (``aurora model init``)."""
     if topo.model is None or topo.model.path is None:
         return
     m = topo.model.resolved(str(path))
     assert m.path is not None
-    if not (Path(m.path) / "config.json").is_file():
-        progress(f"creating the model {m.path} (preset {m.preset}, seed {m.seed}; as `aurora model init` does)")
-        init_model_dir(Path(m.path), m.preset, m.seed, m.max_positions)
+    if (Path(m.path) / "config.json").is_file():
+        return
+    if m.fetch is not None:
+        from aurora.rl.fetch import fetch_model
+
+        progress(f"fetching the model {m.fetch} into {m.path} (once; as `aurora model fetch` does)")
+        fetch_model(m.fetch, Path(m.path), progress=lambda line: progress(f"  {line}"), cache_dir=cache)
+        return
+    progress(f"creating the model {m.path} (preset {m.preset}, seed {m.seed}; as `aurora model init` does)")
+    init_model_dir(Path(m.path), m.preset, m.seed, m.max_positions)
 
 
 def ensure_keys(topo: Topology, path: Path, progress: Progress) -> None:

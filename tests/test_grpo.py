@@ -77,14 +77,8 @@ def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() ->
     batch = _rollouts(engine, [next(TASK.prompts(11)) for _ in range(32)], 0)
 
     def logp(correct: bool) -> float:
-        vals = []
-        for p, c in batch:
-            for s in c.samples:
-                if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct:
-                    ids = torch.tensor([c.prompt_tokens + s.tokens])
-                    with torch.no_grad():
-                        lp = learner._logp(learner.model, ids, torch.ones_like(ids))
-                    vals.append(float(lp[0, len(c.prompt_tokens) - 1 :].sum()))
+        vals = [learner.response_logp(c.prompt_tokens, s.tokens) for p, c in batch for s in c.samples
+                if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct]  # fmt: skip
         return sum(vals) / len(vals)
 
     good, bad = logp(True), logp(False)
@@ -160,3 +154,40 @@ def test_a_jsonl_task_reads_prompts_and_answers_and_names_a_bad_line(tmp_path: P
         make_task(JsonlSpec(path=str(f)))
     with pytest.raises(ConfigError, match=r"task\.kind"):
         convert(TaskSpec, {"kind": "poetry"}, path="task")  # type: ignore[arg-type]
+
+
+def test_shared_parts_run_once_with_the_same_log_probs_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that share a prefix (a chat template's system turn) and groups that share a prompt run those
+    parts once; what the loss sees is the same as when every row runs in full."""
+    import random
+
+    from aurora.rl.learners import grpo
+
+    learner = _learner(warm_start_steps=0)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 30) for _ in range(12)]
+    prompts = [prefix + [rng.randrange(3, 30) for _ in range(k)] for k in (0, 3, 5)]
+    seqs, starts = [], []
+    for p in prompts:
+        for _ in range(3):
+            seqs.append(p + [rng.randrange(3, 30) for _ in range(rng.randint(1, 7))])
+            starts.append(len(p))
+
+    def run(min_shared: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        monkeypatch.setattr(grpo, "MIN_SHARED_PREFIX", min_shared)
+        packed = learner._pack(seqs, starts)
+        learner.model.zero_grad()
+        logp = learner._logp(learner.model, packed) * packed.targets
+        logp.sum().backward()  # type: ignore[no-untyped-call]
+        grads = torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
+        return logp.detach(), grads, [st.ids.shape[0] for st in packed.stages]
+
+    whole, g_whole, rows_whole = run(10**9)
+    shared, g_shared, rows_shared = run(8)
+    assert rows_whole == [9]
+    assert rows_shared == [1, 3, 9]  # the prefix once, each prompt once, each sample
+    assert torch.allclose(whole, shared, atol=1e-5)
+    assert torch.allclose(g_whole, g_shared, rtol=1e-4, atol=1e-6)
+    assert learner.response_logp(seqs[0][: starts[0]], seqs[0][starts[0] :]) == pytest.approx(
+        float(whole[0].sum()), abs=1e-4
+    )

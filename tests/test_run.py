@@ -68,7 +68,7 @@ def test_aurora_run_shares_the_cores_among_the_computing_nodes(monkeypatch: pyte
     from aurora.config.topology import load_topology
     from aurora.run import compute_threads
 
-    topo = load_topology(Path(__file__).parent.parent / "topologies" / "local.yaml")  # trainer + 4 rollouts compute
+    topo = load_topology(Path(__file__).parent.parent / "topologies" / "tiny.yaml")  # trainer + 4 rollouts compute
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert compute_threads(topo) == 3

@@ -21,7 +21,7 @@ SHIPPED = sorted((ROOT / "topologies").glob("*.yaml"))
 
 
 def test_the_shipped_topologies_exist() -> None:
-    assert {p.name for p in SHIPPED} >= {"local.yaml", "wan-4region.yaml"}
+    assert {p.name for p in SHIPPED} >= {"local.yaml", "tiny.yaml", "wan-4region.yaml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

@@ -58,6 +58,36 @@ _Row = tuple[Sequence[int], Sequence[int], float, Sequence[float]]
 """A training row: prompt tokens, response tokens, advantage, behaviour log-probs."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """One forward call of a `_Packed` batch: its rows continue rows of the stage before."""
+
+    ids: torch.Tensor
+    """[n, W] token ids, left-padded."""
+    parents: torch.Tensor | None
+    """[n] the row of the stage before that each row continues (None: the first stage)."""
+    mask: torch.Tensor
+    """[n, columns of this and every earlier stage] 1 for real tokens."""
+    pos: torch.Tensor
+    """[n, W] position ids."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Packed:
+    """A batch of sequences as the model reads it, each shared part run once: the prefix every sequence
+    starts with (a chat template's system turn), then each distinct prompt's rest (the G samples of a group
+    share it), then each sequence's last prompt token and response. Keys and values of a stage are repeated
+    for the rows that continue it; every stage is left-padded, so every response ends in the last column."""
+
+    stages: tuple[_Stage, ...]
+    targets: torch.Tensor
+    """[batch, R]: 1 where the column's token is a response token the loss counts."""
+
+
+MIN_SHARED_PREFIX = 8
+"""A common prefix shorter than this is not split off (not worth a second forward call)."""
+
+
 @dataclass(slots=True)
 class _Scored:
     rewards: list[float]
@@ -82,6 +112,15 @@ class _Trained:
 
 def _mean(xs: list[float], digits: int) -> float | None:
     return round(sum(xs) / len(xs), digits) if xs else None
+
+
+def _common_prefix(seqs: list[list[int]], limit: int) -> int:
+    """The length of the longest prefix every sequence shares, at most ``limit``."""
+    n = 0
+    first = seqs[0]
+    while n < limit and all(s[n] == first[n] for s in seqs):
+        n += 1
+    return n
 
 
 class GrpoLearner:
@@ -191,10 +230,9 @@ class GrpoLearner:
                 starts.append(len(prompt))
                 answer = self.tok.hf(p.answer, add_special_tokens=False)["input_ids"]
                 seqs.append(prompt + list(answer) + [self.tok.eos_id])
-            ids, mask, targets = self._pack(seqs, starts)
-            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-            loss = -(logp * targets).sum() / targets.sum()
+            packed = self._pack(seqs, starts)
+            logp = self._logp(self.model, packed, temperature=1.0)
+            loss = -(logp * packed.targets).sum() / packed.targets.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -203,17 +241,39 @@ class GrpoLearner:
                 log.info("warm_start", step=step, of=spec.warm_start_steps, loss=round(float(loss.detach()), 4),
                          elapsed_s=round(time.monotonic() - t0, 1))  # fmt: skip
 
-    def _pack(self, seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ids, attention mask, and a mask over predicted positions (token t+1 is a response token)."""
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), self.tok.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        targets = torch.zeros((len(seqs), width - 1))
+    def _pack(self, seqs: list[list[int]], starts: list[int]) -> _Packed:
+        """``seqs`` (``starts[i]``: where sequence i's response begins) as a `_Packed` batch. The last
+        stage always holds each sequence's last prompt token, whose logits predict the first response token."""
+        n = len(seqs)
+        shared = _common_prefix(seqs, min(starts) - 1)
+        if shared < MIN_SHARED_PREFIX:
+            shared = 0
+        prompts = [tuple(s[shared : start - 1]) for s, start in zip(seqs, starts, strict=True)]
+        distinct = list(dict.fromkeys(prompts))
+        parts: list[tuple[list[list[int]], list[int] | None]] = [([seqs[0][:shared]], None)] if shared else []
+        if shared and len(distinct) < n and any(distinct):
+            index = {u: i for i, u in enumerate(distinct)}
+            parts.append(([list(u) for u in distinct], [0] * len(distinct)))
+            parts.append(([s[start - 1 :] for s, start in zip(seqs, starts, strict=True)], [index[u] for u in prompts]))
+        else:
+            parts.append(([s[shared:] for s in seqs], [0] * n if shared else None))
+        stages: list[_Stage] = []
+        for rows, parents in parts:
+            width = max(map(len, rows))
+            ids = torch.full((len(rows), width), self.tok.pad_id, dtype=torch.long)
+            own = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+                own[i, width - len(r) :] = 1
+            where = torch.tensor(parents) if parents is not None else None
+            mask = own if where is None else torch.cat([stages[-1].mask[where], own], dim=1)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] - width :]
+            stages.append(_Stage(ids, where, mask, pos))
+        keep = max(len(s) - start for s, start in zip(seqs, starts, strict=True))
+        targets = torch.zeros((n, keep))
         for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-            targets[i, start - 1 : len(s) - 1] = 1.0
-        return ids, mask, targets
+            targets[i, keep - (len(s) - start) :] = 1.0
+        return _Packed(tuple(stages), targets)
 
     # -- RL step
     def step(self, batch: Batch = ()) -> Weights:
@@ -265,15 +325,16 @@ class GrpoLearner:
     def _train(self, rows: list[_Row]) -> _Trained:
         seqs = [list(pt) + list(st) for pt, st, _, _ in rows]
         starts = [len(pt) for pt, _, _, _ in rows]
-        ids, mask, targets = self._pack(seqs, starts)
+        packed = self._pack(seqs, starts)
+        targets = packed.targets
         old = torch.zeros_like(targets)
-        for i, ((_, _, _, lps), start) in enumerate(zip(rows, starts, strict=True)):
-            old[i, start - 1 : start - 1 + len(lps)] = torch.tensor(lps)
+        for i, (_, _, _, lps) in enumerate(rows):
+            old[i, targets.shape[1] - len(lps) :] = torch.tensor(lps)
         adv = torch.tensor([a for _, _, a, _ in rows])[:, None]
-        ref_logp = self._logp(self.ref, ids, mask).detach() if self.ref is not None else None
+        ref_logp = self._logp(self.ref, packed).detach() if self.ref is not None else None
         out = _Trained()
         for _ in range(self.spec.epochs):
-            logp = self._logp(self.model, ids, mask)
+            logp = self._logp(self.model, packed)
             loss, ratio = clipped_surrogate(logp, old, adv, targets, self.spec.clip_eps)
             if ref_logp is not None:
                 kl = k3_kl(ref_logp, logp, targets)
@@ -296,10 +357,28 @@ class GrpoLearner:
             out.clipped.append(clip_fraction(ratio, targets, self.spec.clip_eps))
         return out
 
-    def _logp(self, model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Log-probability of each next token at the sampling temperature, shape [batch, len-1]."""
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / self.temperature
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    def _logp(self, model: Any, p: _Packed, temperature: float | None = None) -> torch.Tensor:
+        """Log-probability of each token in the last ``R`` columns at the sampling temperature, [batch, R].
+        Each stage but the last runs once for its rows and leaves its keys and values, gathered for the
+        rows that continue them (gradients flow back through them); logits are made only for the
+        positions that predict response tokens (the LM head over a 49k vocabulary is much of a small
+        model's compute; prompts need none)."""
+        keep = p.targets.shape[1]
+        past = None
+        for st in p.stages:
+            if past is not None and st.parents is not None:
+                past.batch_select_indices(st.parents)
+            last = st is p.stages[-1]
+            out = model(input_ids=st.ids, attention_mask=st.mask, position_ids=st.pos, past_key_values=past,
+                        use_cache=not last or past is not None, logits_to_keep=keep + 1 if last else 1)  # fmt: skip
+            past = out.past_key_values
+        logits = out.logits[:, :-1].float() / (self.temperature if temperature is None else temperature)
+        return torch.log_softmax(logits, -1).gather(-1, p.stages[-1].ids[:, -keep:, None])[..., 0]
+
+    def response_logp(self, prompt: Sequence[int], response: Sequence[int]) -> float:
+        """log P(response | prompt) under the learner's weights at the sampling temperature."""
+        with torch.no_grad():
+            return float(self._logp(self.model, self._pack([[*prompt, *response]], [len(prompt)])).sum())
 
     # -- checkpoints
     def save_checkpoint(self, version: int) -> Path:
