@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -119,8 +119,11 @@ class VersionFlow:
     def __init__(self, name: str, weights: Weights | None, version: int | None, *,
                  keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False,
                  store: DeltaStore | None = None, sealer: Sealer | None = None,
-                 verifier: SealVerifier | None = None, seal: SealWire | None = None) -> None:  # fmt: skip
+                 verifier: SealVerifier | None = None, seal: SealWire | None = None,
+                 threads: int = 1) -> None:  # fmt: skip
         self.name = name
+        self.threads = max(1, threads)
+        """Cores the codec may use: chunks of a version are encoded, and decoded, this many at a time."""
         self.weights = weights
         self.version = version
         self.digest: bytes | None = weights.digest() if weights is not None else None
@@ -212,7 +215,7 @@ class VersionFlow:
         base = None if self.full_weights else self.weights
         stats = EncodeStats()
         m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
-                                  target_version=target, stats=stats)  # fmt: skip
+                                  target_version=target, stats=stats, threads=self.threads)  # fmt: skip
         n = m.n_chunks
         packed = pack_manifest(m)
         stored = _Stored(packed, [None] * n, m.is_snapshot)
@@ -242,6 +245,8 @@ class VersionFlow:
         finally:
             if hashing is not None and not hashing.done():
                 hashing.cancel()
+            if isinstance(chunks, Generator):
+                chunks.close()  # a cancelled publish leaves no chunk jobs running
         t = time.monotonic()
         wire = self.sealer.seal(v=target, base=None if m.is_snapshot else self.version, digest=m.target_digest,
                                 layout=weights_layout(new), state=state, delta=hasher.digest())  # fmt: skip
@@ -448,10 +453,11 @@ class VersionFlow:
         t = time.monotonic()
         async with self.weights_lock:
             if m.is_snapshot or self.weights is None:
-                self.weights, cancelled = await _to_the_end(asyncio.to_thread(_commit_snapshot, inc, check))
+                self.weights, cancelled = await _to_the_end(asyncio.to_thread(_commit_snapshot, inc, check,
+                                                                              self.threads))  # fmt: skip
             else:  # decode and apply in one thread hand-off, in place
                 touched, cancelled = await _to_the_end(asyncio.to_thread(_decode_and_apply, inc.receiver,
-                                                                         self.weights, check))  # fmt: skip
+                                                                         self.weights, check, self.threads))  # fmt: skip
             self.version, self.digest, self.seal = target, m.target_digest, wire
         self._incoming = None
         if cancelled:
@@ -536,7 +542,7 @@ class VersionFlow:
         store = self.store
 
         def compose(weights: Weights, version: int) -> tuple[bytes, tuple[bytes, ...]] | None:
-            d = encode(store.get(have), weights, base_version=have, target_version=version)
+            d = encode(store.get(have), weights, base_version=have, target_version=version, threads=self.threads)
             return None if d.prefer_snapshot else (pack_manifest(d.manifest), d.chunks)
 
         made = await self._made(have, compose)
@@ -582,7 +588,7 @@ class VersionFlow:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
 
         def snapshot(weights: Weights, version: int) -> tuple[bytes, tuple[bytes, ...]]:
-            snap = encode(None, weights, base_version=None, target_version=version)
+            snap = encode(None, weights, base_version=None, target_version=version, threads=self.threads)
             return pack_manifest(snap.manifest), snap.chunks
 
         made = await self._made(None, snapshot)  # labelled with what the weights are now
@@ -645,10 +651,10 @@ def _target(cmd: SendChunk | SendManifest) -> int:
     return cmd.target if isinstance(cmd, SendChunk) else cmd.delta.target
 
 
-def _decode_and_apply(rx: DeltaReceiver, w: Weights, check: Any) -> frozenset[str]:
-    """Stage every chunk against ``w``, then apply them in place: the tensors touched. ``check``
-    (the seal's state) runs on the result before the commit stands."""
-    return frozenset(rx.stage(w).commit(w, check=check))
+def _decode_and_apply(rx: DeltaReceiver, w: Weights, check: Any, threads: int) -> frozenset[str]:
+    """Stage every chunk against ``w`` (``threads`` chunks at a time), then apply them in place: the
+    tensors touched. ``check`` (the seal's state) runs on the result before the commit stands."""
+    return frozenset(rx.stage(w, threads=threads).commit(w, check=check))
 
 
 def _encode_slice(chunks: Iterator[bytes], left: int) -> list[bytes]:
@@ -667,7 +673,7 @@ async def _send_delta(ch: Channel, base: int | None, target: int, manifest: byte
         await ch.send(DeltaChunk(target=target, i=i), c)
 
 
-def _commit_snapshot(inc: _Incoming, check: Any) -> Weights:
+def _commit_snapshot(inc: _Incoming, check: Any, threads: int) -> Weights:
     fresh = blank_weights(inc.manifest)
-    inc.receiver.stage(None).commit(fresh, check=check)
+    inc.receiver.stage(None, threads=threads).commit(fresh, check=check)
     return fresh

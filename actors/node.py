@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -139,13 +140,15 @@ class NodeTransport(Transport, Protocol):
 
 async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
                    store: Path | None = None, transport: NodeTransport | None = None,
-                   observe: Callable[[Node], None] | None = None, insecure: bool = False) -> None:  # fmt: skip
+                   observe: Callable[[Node], None] | None = None, insecure: bool = False,
+                   threads: int | None = None) -> None:  # fmt: skip
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
     ``store``: the node's version store (resume from its latest usable version); None keeps none.
     ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
     ``observe``: called with the `Node` once it is built (tests read its state).
-    ``insecure``: run without keys although some node listens beyond loopback."""
+    ``insecure``: run without keys although some node listens beyond loopback.
+    ``threads``: cores the codec uses per version (None: `default_threads`)."""
     try:
         spec = topo.node(name)
     except KeyError:
@@ -163,7 +166,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
     if not keys.secure:
         log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")
-    node = Node(name, topo, tree, file, keys)
+    node = Node(name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads))
     await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
@@ -190,6 +193,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                 node.rtc.start_in(tg)
             sup_task = await sup.start_in(tg)
             log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs],
+                     codec_threads=node.threads,
                      authenticated=keys.secure)  # fmt: skip
             stopping = asyncio.ensure_future(stop.wait())
             try:
@@ -252,11 +256,19 @@ def _closure(under: dict[str, set[str]], root: str) -> frozenset[str]:
     return frozenset(seen)
 
 
+def default_threads() -> int:
+    """The codec's cores when none are given: all this process may run on but one (at least one)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 class Node:
     """State that outlives the node's actors (see the module docstring)."""
 
-    def __init__(self, name: str, topo: Topology, tree: Tree, file: str | None, keys: NodeKeys | None = None) -> None:
+    def __init__(self, name: str, topo: Topology, tree: Tree, file: str | None, keys: NodeKeys | None = None,
+                 threads: int = 1) -> None:  # fmt: skip
         self.name = name
+        self.threads = threads
+        """Cores the codec may use for each version (encode on the trainer, decode and apply elsewhere)."""
         self.topo = topo
         self.tree = tree
         self.file = file
@@ -270,7 +282,8 @@ class Node:
         """Per child that may attach, the nodes that may be in its subtree (it speaks for them)."""
         self.place = Place(name, [] if spec.role == "trainer" else None, planned=tree.parent[name])
         self.verifier = SealVerifier(self.keys.verifier)
-        self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights, verifier=self.verifier)
+        self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights, verifier=self.verifier,
+                                threads=threads)  # fmt: skip
         self.routes = Routes()
         self.pool: WorkPool | None = None
         self.board = WorkBoard()
@@ -308,7 +321,7 @@ class Node:
             await asyncio.to_thread(learner.restore, weights, version)
             log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
-                                store=self.store, sealer=sealer, verifier=self.verifier)  # fmt: skip
+                                store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads)  # fmt: skip
         seal = await asyncio.to_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
             await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)
@@ -334,10 +347,11 @@ class Node:
                 continue
             log.info("node_resumed", version=v, store=str(store), digest=weights.digest().hex()[:16])
             self.flow = VersionFlow(self.name, weights, v, full_weights=self.topo.sync.full_weights,
-                                    store=self.store, verifier=self.verifier, seal=seal)  # fmt: skip
+                                    store=self.store, verifier=self.verifier, seal=seal,
+                                    threads=self.threads)  # fmt: skip
             return
         self.flow = VersionFlow(self.name, None, None, full_weights=self.topo.sync.full_weights, store=self.store,
-                                verifier=self.verifier)  # fmt: skip
+                                verifier=self.verifier, threads=self.threads)  # fmt: skip
 
     def _resume_from(self, v: int) -> tuple[Weights, Any]:
         """Version ``v`` from the store, checked against its seal (state hash: O(weights), once)."""

@@ -60,6 +60,12 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                       "densities, and compare delta sizes and throughput.")  # fmt: skip
     c.add_argument("--quick", action="store_true", help="smaller model and sizes (seconds, not a minute)")
     c.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    c.add_argument("--scale", action="store_true",
+                   help="instead: encode and apply speed at model sizes (--sizes), one thread and every core, next "
+                   "to a memory copy and the delta's wire time at 100 Mbit/s and 1 Gbit/s, with each side's peak "
+                   "memory (1 G elements need about 7 GB)")  # fmt: skip
+    c.add_argument("--sizes", default="64M,256M,1G", metavar="LIST",
+                   help="with --scale: bf16 elements per run, e.g. 64M,256M,1G (the default)")  # fmt: skip
     a = bs.add_parser("actors", help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
                       description="Messages per second through ActorRef.tell and round trips per second through "
                       "ActorRef.ask, next to a bare asyncio.Queue measured in the same run.")  # fmt: skip
@@ -185,6 +191,9 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="run without keys although nodes listen beyond loopback: peers are not authenticated "
                    "and versions are not signed (for closed networks only; refused otherwise)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="cores the codec uses for each version: the trainer encodes, relays and rollouts decode "
+                   "and apply, N chunks at a time (default: every core this process may use but one, at least 1)")  # fmt: skip
     p.add_argument("--store", type=Path, default=None,
                    help="the node's version store directory: a restarted node resumes from its latest version "
                    "(a relay or rollout then catches up from its parent; a parent with a store sends a child "
@@ -345,8 +354,30 @@ def cmd_delta_inspect(args: argparse.Namespace) -> int:
 def cmd_bench_codec(args: argparse.Namespace) -> int:
     from aurora.bench.codec import run
 
+    if args.scale:
+        from dataclasses import asdict
+
+        from aurora.bench.codec_scale import run_scale
+
+        rows = run_scale(_sizes(args.sizes), progress=lambda m: print(m, flush=True))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"scale": [asdict(r) for r in rows]}, indent=2))
+        return 0
     run(quick=args.quick, json_path=args.json, progress=lambda m: print(m, flush=True))
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    """``64M,256M,1G`` -> element counts (K, M, G: powers of 2^10)."""
+    out = []
+    for part in text.split(","):
+        p = part.strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(p[-1:], 1)
+        digits = p[:-1] if mult > 1 else p
+        if not digits.isdigit() or int(digits) * mult < 1024:
+            raise AuroraError(f"--sizes: {part!r} is not an element count of at least 1K (e.g. 64M, 1G)")
+        out.append(int(digits) * mult)
+    return out
 
 
 def cmd_bench_actors(args: argparse.Namespace) -> int:
@@ -522,6 +553,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     if args.name not in names:
         raise AuroraError(f"{args.topology}: no node named {args.name!r} (nodes: {', '.join(names)})")
     role = topo.node(args.name).role
+    if args.threads is not None and args.threads < 1:
+        raise AuroraError(f"--threads must be at least 1, not {args.threads}")
     if args.role is not None and args.role != role:
         raise AuroraError(f"{args.topology}: node {args.name!r} is a {role}, not a {args.role}")
 
@@ -530,7 +563,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_node(topo, tree, args.name, stop, file=str(args.topology), store=args.store, insecure=args.insecure)
+        await run_node(topo, tree, args.name, stop, file=str(args.topology), store=args.store, insecure=args.insecure,
+                       threads=args.threads)  # fmt: skip
 
     asyncio.run(main())
     return 0

@@ -67,6 +67,8 @@ class Cluster:
         self._lock = threading.Lock()
         self.threads = compute_threads(topo)
         """Each node's share of this machine's cores (OMP_NUM_THREADS), None when the user set it."""
+        self.codec_threads = max(1, (os.cpu_count() or 1) // len(topo.nodes))
+        """Each node's codec threads (`aurora node --threads`): every node shares this machine."""
 
     def order(self) -> list[str]:
         """Parents before children (breadth-first from the trainer)."""
@@ -79,7 +81,7 @@ class Cluster:
     def start(self, name: str) -> None:
         argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
                 "--name", name]  # fmt: skip
-        argv += ["--store", str(self.state / name)]
+        argv += ["--store", str(self.state / name), "--threads", str(self.codec_threads)]
         env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                              env=env)  # fmt: skip

@@ -157,3 +157,11 @@ def test_model_init_writes_a_loadable_model_and_refuses_a_used_directory(
     assert (d / "model.safetensors").read_bytes() == before
     assert main(["model", "init", str(tmp_path / "other"), "--seed", "3"]) == 0
     assert (tmp_path / "other" / "model.safetensors").read_bytes() == before  # the seed fixes the weights
+
+
+def test_bad_codec_threads_and_bench_sizes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = str(Path(__file__).parent.parent / "topologies" / "tiny.yaml")
+    assert main(["node", "--topology", tiny, "--name", "trainer", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "aurora: error: --threads must be at least 1, not 0"
+    assert main(["bench", "codec", "--scale", "--sizes", "64M,lots"]) == 2
+    assert "--sizes: 'lots' is not an element count" in capsys.readouterr().err

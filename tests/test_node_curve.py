@@ -43,14 +43,23 @@ run: {{steps: 3}}
     return path
 
 
-async def _run(path: Path, names: tuple[str, ...], until: str, deadline_s: float) -> dict[str, Node]:
+async def _run(path: Path, names: tuple[str, ...], until: str, deadline_s: float,
+               threads: int | None = None) -> dict[str, Node]:  # fmt: skip
     topo = load_topology(path)
     tree = plan(topo, str(path))
     nodes: dict[str, Node] = {}
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(
-            run_node(topo, tree, n, stop, file=str(path), observe=lambda node, n=n: nodes.__setitem__(n, node))
+            run_node(
+                topo,
+                tree,
+                n,
+                stop,
+                file=str(path),
+                observe=lambda node, n=n: nodes.__setitem__(n, node),
+                threads=threads,
+            )
         )
         for n in names
     ]
@@ -87,7 +96,8 @@ def test_generated_secret_keys_are_0600_and_never_overwritten(tmp_path: Path) ->
 async def test_nodes_with_the_topology_keys_attach_over_curve_and_commit_signed_versions(tmp_path: Path) -> None:
     path = _topology(tmp_path)
     with capture_logs() as logs:
-        nodes = await _run(path, ("trainer", "relay-a", "rollout"), "rollout", 30)
+        nodes = await _run(path, ("trainer", "relay-a", "rollout"), "rollout", 30, threads=2)
+    assert {n.flow.threads for n in nodes.values()} == {2}  # encoded and decoded two chunks at a time
     assert nodes["rollout"].flow.version == 3
     assert nodes["rollout"].flow.digest == nodes["trainer"].flow.digest
     commits = [e for e in logs if e["event"] == "version_committed"]

@@ -1,0 +1,183 @@
+"""`aurora bench codec --scale`: the codec's cost at model sizes, next to memory and wire speed.
+
+For each size (bf16 elements, in tensors of 16 M elements like a real checkpoint's
+large matrices), a synthetic step at 1 % density (positions uniform, ±1–2 ULP):
+encode and apply (digests checked) GB/s of weights on one thread and on every
+core, a memory copy of the same bytes in the same run, each side's ratio to the
+copy, (encode + apply) against the delta's wire time at 100 Mbit/s and 1 Gbit/s,
+and the peak memory each side needs beyond the weights it holds (Linux peak RSS,
+reset before each side), in multiples of the delta's bytes.
+
+The weights are made slice by slice (no float32 copy of the whole set), so 1 G
+elements need about 3 × 2 GB: base, target, and the receiver's working copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from aurora.codec import Weights, apply_in_place, encode
+
+TENSOR = 16 << 20
+"""Elements per tensor."""
+LINKS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
+
+
+@dataclass
+class ScaleRow:
+    elements: int
+    delta_bytes: int
+    threads: int
+    memcpy_gbps: float
+    encode_gbps: float
+    apply_gbps: float
+    encode_gbps_all: float
+    apply_gbps_all: float
+    encode_peak_mb: float
+    """Peak resident memory the encoder added beyond base and target (MB)."""
+    apply_peak_mb: float
+    """Peak resident memory the receiver added beyond its weights (MB)."""
+
+    def codec_over_wire(self, bits_per_s: float, all_threads: bool) -> float:
+        enc, app = (self.encode_gbps_all, self.apply_gbps_all) if all_threads else (self.encode_gbps, self.apply_gbps)
+        codec_s = self.elements * 2 / (enc * 1e9) + self.elements * 2 / (app * 1e9)
+        return codec_s / (self.delta_bytes * 8 / bits_per_s)
+
+
+def step_pair(n: int, density: float, seed: int) -> tuple[Weights, Weights]:
+    """bf16 N(0, 0.02) weights in tensors of `TENSOR` elements, and a step that moves ``density`` of them."""
+    rng = np.random.default_rng(seed)
+    base: dict[str, np.ndarray] = {}
+    target: dict[str, np.ndarray] = {}
+    for i, lo in enumerate(range(0, n, TENSOR)):
+        m = min(TENSOR, n - lo)
+        f = rng.standard_normal(m, dtype=np.float32) * np.float32(0.02)
+        b = (f.view(np.uint32) + np.uint32(0x8000) >> np.uint32(16)).astype(np.uint16)  # round to bf16 bits
+        t = b.copy()
+        pos = rng.choice(m, size=round(m * density), replace=False)
+        steps = rng.choice(np.array([-2, -1, 1, 2], np.int32), size=pos.size, p=[0.1, 0.4, 0.4, 0.1])
+        t[pos] = (t[pos].astype(np.int32) + steps).astype(np.uint16)
+        name = f"layers.{i:04d}.weight"
+        base[name], target[name] = b, t
+    import torch
+
+    def bf16(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+    return (Weights.from_tensors({k: bf16(v) for k, v in base.items()}),
+            Weights.from_tensors({k: bf16(v) for k, v in target.items()}))  # fmt: skip
+
+
+def _rss_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_added_mb(f: Callable[[], object]) -> float:
+    """Peak resident memory ``f`` adds to this process (MB; Linux: VmHWM, reset through clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return float("nan")
+    before = _rss_mb("VmRSS")
+    f()
+    return max(0.0, _rss_mb("VmHWM") - before)
+
+
+def _best(f: Callable[[], object], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def scale_row(n: int, density: float, threads: int, reps: int) -> ScaleRow:
+    base, target = step_pair(n, density, seed=n % 1000)
+    d = encode(base, target, base_version=0, target_version=1)  # compiles the kernels, sizes the delta
+    base.tensor_digests()  # a publisher knows its base's digests already
+    work = base.copy()
+    names = list(base)
+
+    def copy_all(dst: Weights, src: Weights) -> None:
+        for k in names:
+            np.copyto(dst[k].bits, src[k].bits)
+
+    def enc(t: int) -> Callable[[], None]:
+        def f() -> None:
+            target.forget_digests()
+            encode(base, target, base_version=0, target_version=1, threads=t)
+
+        return f
+
+    def app(t: int) -> Callable[[], None]:
+        def f() -> None:
+            apply_in_place(work, d.manifest, d.chunks, threads=t)
+
+        return f
+
+    def timed_apply(t: int) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            copy_all(work, base)  # back to the base (not timed)
+            work.forget_digests()
+            t0 = time.perf_counter()
+            app(t)()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    t_copy = _best(lambda: copy_all(work, base), reps)
+    gb = n * 2 / 1e9
+    e1, ea = gb / _best(enc(1), reps), gb / _best(enc(threads), reps)
+    a1, aa = gb / timed_apply(1), gb / timed_apply(threads)
+    enc_peak = _peak_added_mb(enc(threads))
+    copy_all(work, base)
+    work.forget_digests()
+    app_peak = _peak_added_mb(app(threads))
+    return ScaleRow(n, d.nbytes, threads, gb / t_copy, e1, a1, ea, aa, enc_peak, app_peak)
+
+
+def run_scale(sizes: list[int], *, density: float = 0.01, threads: int | None = None,
+              progress: Callable[[str], None] = print) -> list[ScaleRow]:  # fmt: skip
+    import torch
+
+    torch.set_num_threads(1)
+    threads = threads or len(os.sched_getaffinity(0))
+    rows = []
+    for n in sizes:
+        progress(f"{n / 2**20:.0f} M elements ({n * 2 / 1e9:.2f} GB of bf16) at {density:.0%} ...")
+        rows.append(scale_row(n, density, threads, reps=1 if n >= 1 << 30 else 2))
+    progress(format_scale(rows, density))
+    return rows
+
+
+def format_scale(rows: list[ScaleRow], density: float) -> str:
+    t = rows[0].threads if rows else 1
+    head = (f"{'elements':>9}{'delta MB':>10}{'memcpy':>8}{'enc 1t':>8}{'app 1t':>8}{'enc/cp':>8}{'app/cp':>8}"
+            f"{f'enc {t}t':>8}{f'app {t}t':>8}{'x1t':>6}" + "".join(f"{f'/wire {k}':>17}" for k in LINKS)
+            + f"{'enc +MB':>9}{'app +MB':>9}")  # fmt: skip
+    lines = [f"codec at scale: bf16, {density:.0%} of positions stepped by ±1–2 ULP; GB/s of weights", head,
+             "-" * len(head)]  # fmt: skip
+    for r in rows:
+        speedup = (r.encode_gbps_all / r.encode_gbps + r.apply_gbps_all / r.apply_gbps) / 2
+        wire = "".join(f"{r.codec_over_wire(bps, False):>8.1f}x/{r.codec_over_wire(bps, True):>6.1f}x"
+                       for bps in LINKS.values())  # fmt: skip
+        lines.append(f"{r.elements / 2**20:>8.0f}M{r.delta_bytes / 1e6:>10.2f}{r.memcpy_gbps:>8.2f}"
+                     f"{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}{r.encode_gbps / r.memcpy_gbps:>8.2f}"
+                     f"{r.apply_gbps / r.memcpy_gbps:>8.2f}{r.encode_gbps_all:>8.2f}{r.apply_gbps_all:>8.2f}"
+                     f"{speedup:>6.2f}{wire}{r.encode_peak_mb:>9.0f}{r.apply_peak_mb:>9.0f}")  # fmt: skip
+    lines += [
+        "memcpy: a copy of the same weights in the same run (one thread); enc/cp, app/cp: one thread's ratio to it;",
+        f"x1t: mean speed-up of {t} threads over one; /wire: (encode + apply) time over the delta's wire time,",
+        "one thread / all threads; +MB: peak resident memory each side added beyond the weights it holds.",
+    ]
+    return "\n".join(lines)
