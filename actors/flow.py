@@ -62,10 +62,11 @@ from aurora.codec import Weights
 from aurora.codec.decoder import DeltaReceiver, blank_weights
 from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
-from aurora.errors import AuthError, DeltaFormatError, ProtocolError, TransportClosed
+from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError, TransportClosed
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
 from aurora.store import DeltaStore
+from aurora.store.store import anchor_image
 
 log = structlog.get_logger("aurora.actors.flow")
 _T = TypeVar("_T")
@@ -154,6 +155,8 @@ class VersionFlow:
         self._served: OrderedDict[tuple[int | None, int], tuple[bytes, tuple[bytes, ...]]] = OrderedDict()
         """The last composed deltas and snapshots made for catch-ups: (from, to) -> (manifest, chunks)."""
         self._run_id: bytes | None = None
+        self._anchoring: asyncio.Task[None] | None = None
+        """The anchor being written for the version stored last (`_promote`)."""
         self.weights_lock = asyncio.Lock()
         self.committed = asyncio.Event()
         """Set at every commit (a waiter clears it first): a rollout's worker wakes on a new version."""
@@ -253,7 +256,7 @@ class VersionFlow:
         seal_s = time.monotonic() - t
         if self.store is not None:
             t = time.monotonic()
-            await asyncio.to_thread(self._keep, m, stored.chunks, new, wire)
+            await self._store(m, stored.chunks, new, wire, in_place=False)
             store_s = time.monotonic() - t
         stored.seal = wire
         self.router.chunk_arrived(target, n)  # the seal goes out last
@@ -470,7 +473,7 @@ class VersionFlow:
             kept = self.history.get(target) if inc.streamed else None
             w = self.weights
             assert w is not None
-            await asyncio.to_thread(self._keep, m, None if kept is None else kept.chunks, w, wire, prune=True)
+            await self._store(m, None if kept is None else kept.chunks, w, wire, prune=True)
         if not inc.streamed:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
@@ -516,24 +519,55 @@ class VersionFlow:
         elif isinstance(cmd, SendCatchUp):
             await self._catch_up(ch, cmd)
 
+    async def _store(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights,
+                     seal: SealWire | None, *, prune: bool = False, in_place: bool = True) -> None:  # fmt: skip
+        """Store version ``m.target_version`` (`_keep`); an anchor due at it is written after, off the
+        version's path (`_promote`), and finished before the store is written again. ``in_place``:
+        ``weights`` are the node's own, which its next commit changes in place (a relay, a rollout);
+        False: they never change (the trainer's published versions)."""
+        if self._anchoring is not None:
+            await self._anchoring
+        if await asyncio.to_thread(self._keep, m, chunks, weights, seal, prune=prune):
+            self._anchoring = asyncio.create_task(self._promote(m.target_version, weights, seal, in_place))
+
+    async def _promote(self, v: int, weights: Weights, seal: SealWire | None, in_place: bool) -> None:
+        """Make stored version ``v`` an anchor. Weights that change in place have their image taken
+        under the weights lock while the node still holds ``v``; the write, the slow part, runs
+        outside it. A failure is logged: ``v`` stays stored as a delta."""
+        store = self.store
+        assert store is not None
+        try:
+            if in_place:
+                async with self.weights_lock:
+                    if self.version != v or self.weights is not weights:
+                        return  # moved on already: the next anchor-due version will be one
+                    image = await asyncio.to_thread(anchor_image, v, weights)
+            else:
+                image = await asyncio.to_thread(anchor_image, v, weights)
+            await asyncio.to_thread(store.write_anchor, image, seal=seal)
+        except (StoreError, OSError) as e:
+            log.warning("anchor_not_written", node=self.name, version=v, error=str(e))
+
     def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, seal: SealWire | None, *,
-              prune: bool = False) -> None:  # fmt: skip
+              prune: bool = False) -> bool:  # fmt: skip
         """Store version ``m.target_version`` (``weights``) with its seal: its delta when the base is
-        the latest stored version, else (or every ``anchor_every`` versions) an anchor; ``prune`` then
-        drops all but the recent versions (a relay's or rollout's store; the trainer's keeps them all)."""
+        the latest stored version, else an anchor; ``prune`` then drops all but the recent versions (a
+        relay's or rollout's store; the trainer's keeps them all). True: stored as a delta although an
+        anchor is due (``anchor_every`` deltas since the last one), which the caller writes later."""
         store, v = self.store, m.target_version
         assert store is not None
         latest = store.latest()
         if latest is not None and v <= latest:
-            return  # already there (a restarted node catching up to what it had)
+            return False  # already there (a restarted node catching up to what it had)
         full = chunks is None or any(c is None for c in chunks) or m.is_snapshot or m.base_version != latest
-        if full or v % store.anchor_every == 0:
+        if full:
             store.put_anchor(v, weights, seal=seal)
         else:
             assert chunks is not None
             store.put_delta(m, [c for c in chunks if c is not None], seal=seal)
         if prune:
             store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
+        return not full and store.deltas_since_anchor(v) >= store.anchor_every
 
     async def _send_composed(self, ch: Channel, have: int) -> bool:
         """One delta from the child's version (read back from the store) to the current one; False

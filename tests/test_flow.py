@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from aurora.actors.flow import VersionFlow
@@ -133,3 +134,36 @@ async def test_children_of_a_lost_relay_reattach_to_the_trainer_and_converge() -
             assert leaf.weights is not None
             assert leaf.weights.digest() == current.digest()
         await tree.close()
+
+
+async def test_anchors_are_written_after_the_version_leaves_and_every_stored_version_reads_back(
+    tmp_path: Path,
+) -> None:
+    """An anchor-due version is stored as its delta first (durable before the seal leaves), then
+    made an anchor off the version's path, on the trainer and on a child whose weights change in place."""
+    from aurora.store import DeltaStore
+
+    w0 = _model(2)
+    ts, rs = DeltaStore(tmp_path / "t", anchor_every=2), DeltaStore(tmp_path / "r", anchor_every=2)
+    ts.put_anchor(0, w0)
+    trainer = VersionFlow("trainer", w0.copy(), 0, store=ts)
+    child = VersionFlow("rollout", None, None, store=rs)
+    versions = {0: w0}
+    async with asyncio.TaskGroup() as tg:
+        tree = Tree(tg)
+        await tree.attach(trainer, child)
+        await _until(lambda: child.version == 0)
+        for step in range(1, 6):
+            versions[step] = perturb(versions[step - 1], 0.02, seed=step)
+            await trainer.publish(versions[step].copy())
+            await _until(lambda step=step: child.version == step)
+        for flow in (trainer, child):
+            if flow._anchoring is not None:
+                await flow._anchoring
+        await tree.close()
+    for store in (ts, rs):
+        kinds = {v: store.info(v).kind for v in store.versions()}
+        assert kinds[2] == kinds[4] == "anchor", kinds
+        assert kinds[3] == kinds[5] == "delta", kinds
+        for v in store.versions():
+            assert store.get(v).digest() == versions[v].digest(), v

@@ -39,6 +39,23 @@ STORE_FORMAT = 1
 
 
 @dataclass(frozen=True, slots=True)
+class AnchorImage:
+    """A version's anchor file as bytes, made while its weights cannot change (`anchor_image`)."""
+
+    version: int
+    digest: str
+    data: bytes
+
+
+def anchor_image(version: int, weights: Weights) -> AnchorImage:
+    """The safetensors bytes of ``weights`` as version ``version``'s anchor, with their digest."""
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous() for k, v in weights.to_tensors().items()}, metadata={"version": str(version)})
+    return AnchorImage(version, weights.digest().hex(), data)
+
+
+@dataclass(frozen=True, slots=True)
 class VersionInfo:
     version: int
     digest: str
@@ -155,13 +172,14 @@ class DeltaStore:
         return info
 
     def put_anchor(self, version: int, weights: Weights, *, seal: SealWire | None = None) -> VersionInfo:
-        rel = f"anchors/v{version:08d}.safetensors"
-        dest = self.root / rel
-        from safetensors.torch import save
+        return self.write_anchor(anchor_image(version, weights), seal=seal)
 
-        data = save({k: v.contiguous() for k, v in weights.to_tensors().items()}, metadata={"version": str(version)})
-        write_bytes(dest, data)
-        return self._commit(VersionInfo(version, weights.digest().hex(), "anchor", None, rel, len(data), _hex(seal)))
+    def write_anchor(self, image: AnchorImage, *, seal: SealWire | None = None) -> VersionInfo:
+        """Store a version as an anchor from its image (`anchor_image`). A version already stored as a
+        delta becomes an anchor (its metadata, written last, switches; the delta file stays)."""
+        rel = f"anchors/v{image.version:08d}.safetensors"
+        write_bytes(self.root / rel, image.data)
+        return self._commit(VersionInfo(image.version, image.digest, "anchor", None, rel, len(image.data), _hex(seal)))
 
     def put_delta(self, manifest: Manifest, chunks: Iterable[bytes], *, seal: SealWire | None = None) -> VersionInfo:
         """Store a delta whose base version is present (as produced, or as received and verified)."""
@@ -209,6 +227,10 @@ class DeltaStore:
             assert parent is not None  # `VersionInfo.check`: a delta has a parent below it
             chain.append(self.info(parent))
         return chain[::-1]
+
+    def deltas_since_anchor(self, v: int) -> int:
+        """How many deltas rebuilding version ``v`` applies to its anchor (metadata only)."""
+        return len(self._chain(v)) - 1
 
     def get(self, v: int) -> Weights:
         """Version ``v`` rebuilt from its anchor plus deltas; its digest is checked. A `StoreError`
