@@ -53,6 +53,9 @@ def _variant(raw: dict[str, Any], file: Path, steps: int, ideal: bool) -> dict[s
         raise ConfigError("aurora bench rl needs a grpo learner", file=str(file), path="learner.kind")
     model = ModelSpec(**d.get("model", {})).resolved(str(file))  # paths stay right from a temporary file
     d["model"] = {**d.get("model", {}), "path": model.path}
+    keys = d.get("keys")
+    if isinstance(keys, dict) and keys.get("dir") and not Path(keys["dir"]).is_absolute():
+        keys["dir"] = str((file.parent / keys["dir"]).resolve())  # the topology's keys, not a stray copy
     task = d.get("task", {})
     if task.get("kind") == "jsonl" and not Path(task["path"]).is_absolute():
         task["path"] = str((file.parent / task["path"]).resolve())
