@@ -210,3 +210,25 @@ def test_a_version_that_changes_nothing_costs_a_manifest_and_reads_no_weights(mo
     d2 = encode(w, w.copy(), base_version=1, target_version=2)
     assert d2.chunks == ()
     assert len(hashed) == len(w)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.2, 1.0])
+def test_find_changes_grows_its_arrays_and_ranks_within_base_buckets(density: float) -> None:
+    """The change arrays start small and grow for dense spans; each change's rank counts the base
+    elements of its exponent bucket before it (the reference: a plain loop)."""
+    from aurora.codec import kernels
+
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 1 << 16, 5000, dtype=np.uint16)
+    target = base.copy()
+    pos = rng.choice(base.size, round(base.size * density), replace=False)
+    target[pos] ^= np.uint16(1)
+    idx, rank, buck, step = kernels.find_changes(base, target, 7, 0xFF, 16, 1)
+    seen: dict[int, int] = {}
+    want = []
+    for i, b in enumerate(base.tolist()):
+        e = (b >> 7) & 0xFF
+        if b != int(target[i]):
+            want.append((i, seen.get(e, 0), e, 1))
+        seen[e] = seen.get(e, 0) + 1
+    assert list(zip(idx.tolist(), rank.tolist(), buck.tolist(), step.tolist(), strict=True)) == want

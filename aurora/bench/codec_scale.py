@@ -5,8 +5,8 @@ large matrices), a synthetic step at 1 % density (positions uniform, ±1–2 ULP
 encode and apply (digests checked) GB/s of weights on one thread and on every
 core, a memory copy of the same bytes in the same run, each side's ratio to the
 copy, (encode + apply) against the delta's wire time at 100 Mbit/s and 1 Gbit/s,
-and the peak memory each side needs beyond the weights it holds (Linux peak RSS,
-reset before each side), in multiples of the delta's bytes.
+and the peak memory each side needs beyond the weights it holds (heap in use, sampled
+while it runs), next to the delta's bytes.
 
 The weights are made slice by slice (no float32 copy of the whole set), so 1 G
 elements need about 3 × 2 GB: base, target, and the receiver's working copy.
@@ -14,11 +14,12 @@ elements need about 3 × 2 GB: base, target, and the receiver's working copy.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -40,9 +41,9 @@ class ScaleRow:
     encode_gbps_all: float
     apply_gbps_all: float
     encode_peak_mb: float
-    """Peak resident memory the encoder added beyond base and target (MB)."""
+    """Peak heap the encoder held beyond base and target (MB; the delta it returns included)."""
     apply_peak_mb: float
-    """Peak resident memory the receiver added beyond its weights (MB)."""
+    """Peak heap the receiver held beyond its weights and the delta it was given (MB)."""
 
     def codec_over_wire(self, bits_per_s: float, all_threads: bool) -> float:
         enc, app = (self.encode_gbps_all, self.apply_gbps_all) if all_threads else (self.encode_gbps, self.apply_gbps)
@@ -74,22 +75,53 @@ def step_pair(n: int, density: float, seed: int) -> tuple[Weights, Weights]:
             Weights.from_tensors({k: bf16(v) for k, v in target.items()}))  # fmt: skip
 
 
-def _rss_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _heap_in_use() -> Callable[[], int] | None:
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2: arenas plus mmapped blocks);
+    numpy's arrays, Python's bytes and the numba kernels' arrays all come from it. None elsewhere."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def used() -> int:
+        m = fn()
+        return int(m.uordblks + m.hblkhd)
+
+    return used
 
 
 def _peak_added_mb(f: Callable[[], object]) -> float:
-    """Peak resident memory ``f`` adds to this process (MB; Linux: VmHWM, reset through clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
+    """Peak heap memory ``f`` holds beyond what was in use before it (MB), sampled every millisecond
+    while it runs (NaN where glibc's mallinfo2 is missing)."""
+    used = _heap_in_use()
+    if used is None:
         return float("nan")
-    before = _rss_mb("VmRSS")
-    f()
-    return max(0.0, _rss_mb("VmHWM") - before)
+    before = used()
+    peak = before
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, used())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        kept = f()  # what f returns is held too (an encoder's chunks) until sampled once more
+        peak = max(peak, used())
+        del kept
+    finally:
+        done.set()
+        t.join()
+    return max(0, peak - before) / 1e6
 
 
 def _best(f: Callable[[], object], reps: int) -> float:
@@ -112,10 +144,10 @@ def scale_row(n: int, density: float, threads: int, reps: int) -> ScaleRow:
         for k in names:
             np.copyto(dst[k].bits, src[k].bits)
 
-    def enc(t: int) -> Callable[[], None]:
-        def f() -> None:
+    def enc(t: int) -> Callable[[], object]:
+        def f() -> object:
             target.forget_digests()
-            encode(base, target, base_version=0, target_version=1, threads=t)
+            return encode(base, target, base_version=0, target_version=1, threads=t)
 
         return f
 
@@ -178,6 +210,6 @@ def format_scale(rows: list[ScaleRow], density: float) -> str:
     lines += [
         "memcpy: a copy of the same weights in the same run (one thread); enc/cp, app/cp: one thread's ratio to it;",
         f"x1t: mean speed-up of {t} threads over one; /wire: (encode + apply) time over the delta's wire time,",
-        "one thread / all threads; +MB: peak resident memory each side added beyond the weights it holds.",
+        "one thread / all threads; +MB: peak heap each side held beyond the weights (and the delta given to apply).",
     ]
     return "\n".join(lines)

@@ -96,7 +96,7 @@ def encode_span(
     written = int(kernels.encode_body(rank, buck, step, d.n_buckets, d.width, int(transform), out))
     if written < 0 or written >= raw_bytes:
         return ChunkKind.RAW, n, t.view(np.uint8).data
-    return ChunkKind.DELTA, n, out[:written].data
+    return ChunkKind.DELTA, n, out[:written].tobytes()  # a copy of what was written: the span-sized buffer goes
 
 
 @dataclass(slots=True)

@@ -219,6 +219,37 @@ def _rank(counts, b, sh, mk):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+    out = np.empty(cap, a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _scan(base, target, sh, mk, wmask, transform, counts, i, k, idx, rank, buck, step):  # type: ignore[no-untyped-def]
+    """`find_changes` from element ``i`` with ``k`` changes found: stops at the end, or before a
+    change that does not fit the arrays; returns where it stopped and the changes found."""
+    n = base.shape[0]
+    cap = idx.shape[0]
+    while i < n:
+        b = base[i]
+        t = target[i]
+        if b != t:
+            if k == cap:
+                return i, k
+            e, r = _rank(counts, b, sh, mk)
+            idx[k] = i
+            rank[k] = r
+            buck[k] = np.int64(e)
+            step[k] = ((U64(t) - U64(b)) & wmask) if transform == 2 else (U64(t) ^ U64(b))
+            k += 1
+        else:
+            _rank(counts, b, sh, mk)
+        i += 1
+    return i, k
+
+
+@njit(cache=True, nogil=True)
 def find_changes(
     base: np.ndarray, target: np.ndarray, shift: int, mask: int, width: int, transform: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -226,29 +257,25 @@ def find_changes(
 
     Returns ``(idx, rank, bucket, step)`` for the changed elements, in index
     order; ``step`` is ``(target - base) mod 2**width`` (sub) or ``target ^ base``
-    (xor), computed here while the elements are in cache.
+    (xor), computed here while the elements are in cache. The arrays start with
+    room for 1/16 of the elements and double when a denser span needs more, so
+    memory follows the change, not the span.
     """
     wmask = _ALL64 >> U64(64 - width)
     n = base.shape[0]
     sh = U64(shift)
     mk = U64(mask)
     counts = np.zeros(mask + 1, np.int64)
-    # Capacity n: np.empty pages that are never written are never committed.
-    idx = np.empty(n, np.int64)
-    rank = np.empty(n, np.int64)
-    buck = np.empty(n, np.int64)
-    step = np.empty(n, np.uint64)
-    k = 0
-    for i in range(n):
-        b = base[i]
-        e, r = _rank(counts, b, sh, mk)
-        t = target[i]
-        if b != t:
-            idx[k] = i
-            rank[k] = r
-            buck[k] = np.int64(e)
-            step[k] = ((U64(t) - U64(b)) & wmask) if transform == 2 else (U64(t) ^ U64(b))
-            k += 1
+    cap = min(n, max(1024, n >> 4))
+    idx = np.empty(cap, np.int64)
+    rank = np.empty(cap, np.int64)
+    buck = np.empty(cap, np.int64)
+    step = np.empty(cap, np.uint64)
+    i, k = _scan(base, target, sh, mk, wmask, transform, counts, 0, 0, idx, rank, buck, step)
+    while i < n:
+        cap = min(n, cap * 2)
+        idx, rank, buck, step = _grow(idx, cap), _grow(rank, cap), _grow(buck, cap), _grow(step, cap)
+        i, k = _scan(base, target, sh, mk, wmask, transform, counts, i, k, idx, rank, buck, step)
     return idx[:k], rank[:k], buck[:k], step[:k]
 
 
