@@ -232,3 +232,16 @@ def test_find_changes_grows_its_arrays_and_ranks_within_base_buckets(density: fl
             want.append((i, seen.get(e, 0), e, 1))
         seen[e] = seen.get(e, 0) + 1
     assert list(zip(idx.tolist(), rank.tolist(), buck.tolist(), step.tolist(), strict=True)) == want
+
+
+def test_bench_codec_scale_measures_both_sides_and_every_kernel() -> None:
+    from aurora.bench.codec_scale import format_scale, run_scale
+
+    out: list[str] = []
+    (row,) = run_scale([1 << 20], threads=2, progress=out.append)
+    assert row.elements == 1 << 20
+    assert 0 < row.delta_bytes < row.elements * 2 // 10
+    assert min(row.memcpy_gbps, row.encode_gbps, row.apply_gbps, row.encode_gbps_all, row.apply_gbps_all) > 0
+    assert row.codec_over_wire(1e9, True) > 0
+    assert "1M" in format_scale([row], 0.01)
+    assert any("locate (scan, ranks)" in m for m in out)  # the kernel profile follows the table

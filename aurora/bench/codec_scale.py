@@ -189,6 +189,9 @@ def run_scale(sizes: list[int], *, density: float = 0.01, threads: int | None = 
         progress(f"{n / 2**20:.0f} M elements ({n * 2 / 1e9:.2f} GB of bf16) at {density:.0%} ...")
         rows.append(scale_row(n, density, threads, reps=1 if n >= 1 << 30 else 2))
     progress(format_scale(rows, density))
+    progress("")
+    span = min(16 << 20, max(sizes))
+    progress(format_kernels(kernel_profile(span, density=density), span, density))
     return rows
 
 
@@ -212,4 +215,55 @@ def format_scale(rows: list[ScaleRow], density: float) -> str:
         f"x1t: mean speed-up of {t} threads over one; /wire: (encode + apply) time over the delta's wire time,",
         "one thread / all threads; +MB: peak heap each side held beyond the weights (and the delta given to apply).",
     ]
+    return "\n".join(lines)
+
+
+@dataclass
+class KernelRow:
+    kernel: str
+    seconds: float
+    per_element_ns: float
+    per_change_ns: float
+
+
+def kernel_profile(n: int = 16 << 20, density: float = 0.01, reps: int = 3) -> list[KernelRow]:
+    """Each codec kernel alone on one bf16 span of ``n`` elements (best of ``reps``): where an
+    encode's and an apply's time goes."""
+    from aurora.codec import kernels
+    from aurora.codec.digest import tensor_digest
+    from aurora.codec.dtypes import dtype_named
+
+    base, target = step_pair(n, density, seed=3)
+    b, t = next(iter(base.values())).bits, next(iter(target.values())).bits
+    d = dtype_named("bfloat16")
+    args = (d.exp_shift, d.exp_mask, d.width, 2)
+    idx, rank, buck, step = kernels.find_changes(b, t, *args)
+    out = np.empty(b.nbytes, np.uint8)
+    body = out[: kernels.encode_body(rank, buck, step, d.n_buckets, d.width, 2, out)].copy()
+    _, first, ranks, vals = kernels.decode_body(body, idx.size, b.size, d.n_buckets, d.width, 2)
+    _, where, new = kernels.locate(b, d.exp_shift, d.exp_mask, first, ranks, vals, idx.size, d.width, 2)
+    dst, old = b.copy(), np.empty_like(new)
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("find_changes (scan, ranks)", lambda: kernels.find_changes(b, t, *args)),
+        ("encode_body (range coder)", lambda: kernels.encode_body(rank, buck, step, d.n_buckets, d.width, 2, out)),
+        ("decode_body (range decoder)", lambda: kernels.decode_body(body, idx.size, b.size, d.n_buckets, d.width, 2)),
+        (
+            "locate (scan, ranks)",
+            lambda: kernels.locate(b, d.exp_shift, d.exp_mask, first, ranks, vals, idx.size, d.width, 2),
+        ),
+        ("scatter", lambda: kernels.scatter(dst, where, new, old)),
+        ("digest (xxh3 of the span)", lambda: tensor_digest(t)),
+    ]
+    rows = []
+    for name, f in steps:
+        f()
+        s = _best(f, reps)
+        rows.append(KernelRow(name, s, s / n * 1e9, s / max(1, idx.size) * 1e9))
+    return rows
+
+
+def format_kernels(rows: list[KernelRow], n: int, density: float) -> str:
+    lines = [f"kernels alone, one thread, one bf16 span of {n / 2**20:.0f} M elements at {density:.0%} (best of 3):",
+             f"{'kernel':<30}{'ms':>8}{'ns/element':>12}{'ns/change':>11}"]  # fmt: skip
+    lines += [f"{r.kernel:<30}{r.seconds * 1e3:>8.1f}{r.per_element_ns:>12.2f}{r.per_change_ns:>11.0f}" for r in rows]
     return "\n".join(lines)
