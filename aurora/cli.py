@@ -66,6 +66,11 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "memory (1 G elements need about 7 GB)")  # fmt: skip
     c.add_argument("--sizes", default="64M,256M,1G", metavar="LIST",
                    help="with --scale: bf16 elements per run, e.g. 64M,256M,1G (the default)")  # fmt: skip
+    c.add_argument("--device", metavar="DEV",
+                   help="with --scale: time the device path (torch passes on DEV, e.g. cuda; range coder on the "
+                   "host) next to a copy on DEV, and check its bytes against the CPU path's")  # fmt: skip
+    c.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="with --device: host threads for the range coder (default 1)")  # fmt: skip
     a = bs.add_parser("actors", help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
                       description="Messages per second through ActorRef.tell and round trips per second through "
                       "ActorRef.ask, next to a bare asyncio.Queue measured in the same run.")  # fmt: skip
@@ -359,6 +364,14 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
 
         from aurora.bench.codec_scale import run_scale
 
+        if args.device:
+            from aurora.bench.codec_device import run_device
+
+            drows = run_device(_sizes(args.sizes), args.device, threads=max(1, args.threads),
+                               progress=lambda m: print(m, flush=True))  # fmt: skip
+            if args.json:
+                Path(args.json).write_text(json.dumps({"device": [asdict(r) for r in drows]}, indent=2))
+            return 1 if any(r.same_bytes is False for r in drows) else 0
         rows = run_scale(_sizes(args.sizes), progress=lambda m: print(m, flush=True))
         if args.json:
             Path(args.json).write_text(json.dumps({"scale": [asdict(r) for r in rows]}, indent=2))

@@ -78,6 +78,10 @@ class DeltaReceiver:
     def has(self, tensor_index: int, chunk_index: int) -> bool:
         return (tensor_index, chunk_index) in self._chunks
 
+    def chunk(self, tensor_index: int, chunk_index: int) -> Chunk:
+        """A staged chunk (verified on arrival); `KeyError` if it has not arrived."""
+        return self._chunks[(tensor_index, chunk_index)]
+
     def add(self, data: bytes | bytearray | memoryview) -> Chunk:
         """Verify and stage one packed chunk; raises `DeltaFormatError` and stages nothing on error."""
         c = unpack_chunk(data)

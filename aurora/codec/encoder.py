@@ -12,7 +12,7 @@ snapshot (no base) is a delta made only of RAW chunks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,12 @@ from aurora.errors import DeltaFormatError
 
 SNAPSHOT_THRESHOLD = 0.9
 """A delta at or above this fraction of the snapshot's bytes is not worth it."""
+
+Changes = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""One span's changed elements as `kernels.find_changes` returns them: (idx, rank, bucket, step)."""
+
+ChangeFinder = Callable[[int, int], Changes]
+"""(tensor index, chunk index) -> that span's `Changes`, found elsewhere (`aurora.codec.device`)."""
 
 
 def check_compatible(base: Weights, target: Weights) -> None:
@@ -79,16 +85,23 @@ def make_manifest(base: Weights | None, target: Weights, base_version: int | Non
 
 
 def encode_span(
-    base: TensorBits | None, target: TensorBits, start: int, stop: int, transform: Transform
+    base: TensorBits | None,
+    target: TensorBits,
+    start: int,
+    stop: int,
+    transform: Transform,
+    changes: Changes | None = None,
 ) -> tuple[ChunkKind, int, bytes | memoryview]:
-    """Code one span; returns (kind, n_changed, body)."""
+    """Code one span; returns (kind, n_changed, body). ``changes``: the span's changes when they
+    were found elsewhere (on a device), else the span is scanned here."""
     t = target.bits[start:stop]
     raw_bytes = t.nbytes
     if base is None:
         return ChunkKind.RAW, stop - start, t.view(np.uint8).data
-    b = base.bits[start:stop]
     d = target.dtype
-    idx, rank, buck, step = kernels.find_changes(b, t, d.exp_shift, d.exp_mask, d.width, int(transform))
+    if changes is None:
+        changes = kernels.find_changes(base.bits[start:stop], t, d.exp_shift, d.exp_mask, d.width, int(transform))
+    idx, rank, buck, step = changes
     n = int(idx.size)
     if n == 0:
         return ChunkKind.DELTA, 0, b""
@@ -128,11 +141,13 @@ def iter_chunks(
     stats: EncodeStats | None = None,
     *,
     threads: int = 1,
+    find: ChangeFinder | None = None,
 ) -> Iterator[bytes]:
     """Yield the packed chunks of ``manifest`` in tensor order (each <= MAX_CHUNK_BYTES).
 
     ``threads > 1`` codes chunks concurrently (the kernels release the GIL); the
-    order and the bytes are the same as with one thread.
+    order and the bytes are the same as with one thread. ``find`` gives each span's
+    changes (called from the coding threads) instead of a scan of ``base`` here.
     """
 
     def jobs() -> Iterator[tuple[int, int]]:
@@ -150,7 +165,8 @@ def iter_chunks(
         entry = manifest.tensors[ti]
         src = base[entry.name] if base is not None else None
         start, stop = chunk_range(entry.numel, entry.dtype, ci)
-        kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform)
+        found = find(ti, ci) if find is not None and src is not None else None
+        kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform, found)
         tr = Transform.NONE if kind is ChunkKind.RAW else manifest.transform
         h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
         return ti, ci, kind, n, pack_chunk(h, body)
