@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import structlog
+from aurora.actors.coding import CodingPolicy
 from aurora.transport.base import Channel, Message
 
 from aurora.auth.seal import (
@@ -121,8 +122,10 @@ class VersionFlow:
                  keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False,
                  store: DeltaStore | None = None, sealer: Sealer | None = None,
                  verifier: SealVerifier | None = None, seal: SealWire | None = None,
-                 threads: int = 1) -> None:  # fmt: skip
+                 threads: int = 1, coding: CodingPolicy | None = None) -> None:  # fmt: skip
         self.name = name
+        self.coding = coding or CodingPolicy("conditioned", 0.0)
+        """The trainer: how each tensor's changed positions are coded (`aurora.actors.coding`)."""
         self.threads = max(1, threads)
         """Cores the codec may use: chunks of a version are encoded, and decoded, this many at a time."""
         self.weights = weights
@@ -218,7 +221,8 @@ class VersionFlow:
         base = None if self.full_weights else self.weights
         stats = EncodeStats()
         m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
-                                  target_version=target, stats=stats, threads=self.threads)  # fmt: skip
+                                  target_version=target, stats=stats, threads=self.threads,
+                                  coding=self.coding.codings(new))  # fmt: skip
         n = m.n_chunks
         packed = pack_manifest(m)
         stored = _Stored(packed, [None] * n, m.is_snapshot)
@@ -266,6 +270,8 @@ class VersionFlow:
         self._changed(target, None)
         self.router.version_committed(target)
         self._dispatch(self.router.commands())
+        if base is not None:
+            self.coding.observe(m, stats)
         nbytes = len(packed) + sum(len(c) for c in stored.chunks if c is not None)
         publish_s = time.monotonic() - t0
         self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None,
@@ -273,7 +279,7 @@ class VersionFlow:
         log.info("version_published", node=self.name, version=target, chunks=n, bytes=nbytes,
                  snapshot=m.is_snapshot, publish_s=round(publish_s, 6), encode_s=round(encode_s, 6),
                  store_s=round(store_s, 6), seal_s=round(seal_s, 6), hash_wait_s=round(wait_s, 6),
-                 signed=self._signs, changed=stats.changed,
+                 signed=self._signs, changed=stats.changed, sparse_chunks=stats.sparse_chunks,
                  density=round(stats.density, 6) if base is not None else None,
                  digest=m.target_digest.hex()[:16])  # fmt: skip
         return target

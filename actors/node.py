@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import structlog
+from aurora.actors.coding import CodingPolicy
 from aurora.actors.flow import VersionFlow
 from aurora.actors.status import STATUS_EVERY_S, ClusterStatus
 from aurora.actors.work import (
@@ -321,7 +322,8 @@ class Node:
             await asyncio.to_thread(learner.restore, weights, version)
             log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
-                                store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads)  # fmt: skip
+                                store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads,
+                                coding=CodingPolicy.of(self.topo, self.tree))  # fmt: skip
         seal = await asyncio.to_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
             await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from aurora.codec import Transform, Weights, encode, kernels
 from aurora.codec.device import apply_on_device, encode_on_device, find_changes
 from aurora.codec.dtypes import dtype_named
+from aurora.codec.encoder import Coding
 from aurora.codec.format import chunk_range, span_elements
 from aurora.errors import DeltaFormatError
 from tests.helpers import perturb
@@ -29,11 +30,13 @@ def _same_bits(a: dict[str, torch.Tensor], w: Weights) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(weight_pairs(), st.sampled_from([Transform.SUB, Transform.XOR]))
-def test_device_path_writes_the_cpu_bytes_and_applies_them(pair: tuple[Weights, Weights], tr: Transform) -> None:
+@given(weight_pairs(), st.sampled_from([Transform.SUB, Transform.XOR]), st.sampled_from(list(Coding)))
+def test_device_path_writes_the_cpu_bytes_and_applies_them(
+    pair: tuple[Weights, Weights], tr: Transform, coding: Coding
+) -> None:
     b, t = pair
-    cpu = encode(b, t, base_version=3, target_version=4, transform=tr)
-    dev = encode_on_device(_tensors(b), _tensors(t), base_version=3, target_version=4, transform=tr)
+    cpu = encode(b, t, base_version=3, target_version=4, transform=tr, coding=coding)
+    dev = encode_on_device(_tensors(b), _tensors(t), base_version=3, target_version=4, transform=tr, coding=coding)
     assert dev.manifest == cpu.manifest
     assert dev.chunks == cpu.chunks
     params = _tensors(b)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aurora.codec import DeltaReceiver, Weights, apply, apply_in_place, encode, unpack_manifest
-from aurora.codec.format import HEADER_BYTES, MAX_CHUNK_BYTES, pack_manifest
+from aurora.codec.digest import digest_bytes
+from aurora.codec.encoder import Coding, Delta
+from aurora.codec.format import (
+    HEADER_BYTES,
+    MAX_CHUNK_BYTES,
+    Chunk,
+    ChunkKind,
+    Transform,
+    pack_chunk,
+    pack_manifest,
+    unpack_chunk,
+)
 from aurora.errors import DeltaFormatError
 from tests.helpers import perturb
 
@@ -132,8 +144,8 @@ def test_future_format_version_is_rejected(pair: tuple[Weights, Weights]) -> Non
     b, t = pair
     d = encode(b, t, base_version=0, target_version=1)
     c = bytearray(d.chunks[0])
-    struct.pack_into("<H", c, 4, 3)
-    with pytest.raises(DeltaFormatError, match="version 3"):
+    struct.pack_into("<H", c, 4, 4)
+    with pytest.raises(DeltaFormatError, match="version 4"):
         DeltaReceiver(d.manifest).add(bytes(c))
     assert HEADER_BYTES == 80
 
@@ -143,3 +155,59 @@ def test_delta_needs_its_base(pair: tuple[Weights, Weights]) -> None:
     d = encode(b, t, base_version=0, target_version=1)
     with pytest.raises(DeltaFormatError, match="needs a base"):
         apply(None, d.manifest, d.chunks)
+
+
+def _sparse(pair: tuple[Weights, Weights]) -> tuple[Delta, Chunk]:
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1, coding=Coding.SPARSE)
+    c = unpack_chunk(d.chunks[0])
+    assert c.header.kind is ChunkKind.SPARSE
+    return d, c
+
+
+@given(st.data())
+def test_forged_sparse_chunk_changes_nothing(pair: tuple[Weights, Weights], data: st.DataObject) -> None:
+    # Re-signed SPARSE chunks with any count and any body: an error, never a write or a claimed allocation.
+    b, _ = pair
+    d, c = _sparse(pair)
+    h = c.header
+    n = data.draw(st.integers(0, h.stop - h.start))
+    body = bytearray(c.body) if data.draw(st.booleans()) else bytearray(data.draw(st.binary(max_size=4096)))
+    for _ in range(data.draw(st.integers(0, 4))):
+        if body:
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    forged = pack_chunk(replace(h, n_changed=n), bytes(body))
+    work = b.copy()
+    _unchanged_after(work, b, lambda: apply_in_place(work, d.manifest, [forged, *d.chunks[1:]]))
+
+
+@pytest.mark.parametrize(
+    ("gaps", "why"),
+    [
+        (b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", "out of range"),  # a gap of 2^63: past the span
+        (b"\x80", "truncated"),  # a varint that never ends
+        (b"\x00\x00", "between its positions and its values"),  # one position, one byte left over
+    ],
+)
+def test_sparse_positions_are_checked(pair: tuple[Weights, Weights], gaps: bytes, why: str) -> None:
+    b, _ = pair
+    d, c = _sparse(pair)
+    h = c.header
+    body = gaps + bytes(h.dtype.itemsize)  # one change: its gap(s), then one value
+    forged = pack_chunk(replace(h, n_changed=1), body)
+    work = b.copy()
+    with pytest.raises(DeltaFormatError, match=why):
+        apply_in_place(work, d.manifest, [forged, *d.chunks[1:]])
+    assert work.digest() == b.digest()
+
+
+def test_sparse_chunk_needs_format_3_and_no_transform(pair: tuple[Weights, Weights]) -> None:
+    d, c = _sparse(pair)
+    old = bytearray(d.chunks[0])
+    struct.pack_into("<H", old, 4, 2)  # a v2 chunk cannot be SPARSE
+    head = bytes(old[:64])  # re-signed by hand (pack_chunk writes v3)
+    forged = head + digest_bytes(head, c.body) + bytes(c.body)
+    with pytest.raises(DeltaFormatError, match=r"sparse chunk .* inconsistent header"):
+        unpack_chunk(forged)
+    with pytest.raises(DeltaFormatError, match="inconsistent header"):
+        unpack_chunk(pack_chunk(replace(c.header, transform=Transform.SUB), bytes(c.body)))

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
+from aurora.actors.coding import CodingPolicy
 from aurora.actors.flow import VersionFlow
 from aurora.transport.base import Channel
 from structlog.testing import capture_logs
@@ -167,3 +169,29 @@ async def test_anchors_are_written_after_the_version_leaves_and_every_stored_ver
         assert kinds[3] == kinds[5] == "delta", kinds
         for v in store.versions():
             assert store.get(v).digest() == versions[v].digest(), v
+
+
+@pytest.mark.parametrize(("mode", "link_mbit"), [("sparse", 100.0), ("auto", 1e6), ("auto", 1e-3)])
+async def test_versions_coded_sparse_or_by_link_reach_every_node_bit_exact(mode: str, link_mbit: float) -> None:
+    trainer = VersionFlow("trainer", _model(2).copy(), 0, coding=CodingPolicy(mode, link_mbit))
+    relay, leaf = VersionFlow("relay", None, None), VersionFlow("rollout-0", None, None)
+    async with asyncio.TaskGroup() as tg:
+        tree = Tree(tg)
+        await tree.attach(trainer, relay)
+        await tree.attach(relay, leaf)
+        current = _model(2)
+        with capture_logs() as logs:
+            for step in range(1, 4):
+                current = perturb(current, 0.01, seed=20 + step)
+                await trainer.publish(current.copy())
+                await _until(lambda step=step: relay.version == leaf.version == step)
+                assert leaf.weights is not None
+                assert leaf.weights.digest() == current.digest()
+        sparse = [e["sparse_chunks"] for e in logs if e["event"] == "version_published"]
+        if link_mbit > 1:  # sparse always, or a link so fast that every tensor is cheaper sparse
+            assert all(s > 0 for s in sparse)
+        else:  # a link so slow that the conditioned bytes always win
+            assert sparse == [0, 0, 0]
+        if mode == "auto":
+            assert any(e["event"] == "coding_chosen" for e in logs)
+        await tree.close()

@@ -1,4 +1,4 @@
-"""Golden fixtures: the encoder's bytes (format v2) and the decoder's reading (v1 and v2) must not drift."""
+"""Golden fixtures: the encoder's bytes (format v3) and the decoder's reading (v1, v2, v3) must not drift."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import io
 
 import pytest
 
-from aurora.codec import Transform, apply
+from aurora.codec import ChunkKind, Transform, apply, unpack_chunk
 from aurora.codec.container import read_delta
+from aurora.codec.encoder import Coding
 from aurora.codec.format import FORMAT_VERSION
 from tests.golden_inputs import GOLDEN, golden_bytes, golden_pair
 
@@ -18,7 +19,20 @@ def test_encoder_reproduces_golden_bytes(transform: Transform) -> None:
     assert golden_bytes(transform) == want
 
 
-@pytest.mark.parametrize("version", [1, 2])
+def test_encoder_reproduces_golden_sparse_bytes() -> None:
+    assert golden_bytes(Transform.SUB, Coding.SPARSE) == (GOLDEN / f"v{FORMAT_VERSION}-sparse.audelta").read_bytes()
+
+
+def test_golden_sparse_file_decodes_to_target() -> None:
+    base, target = golden_pair(unchanged=True)
+    m, chunks = read_delta(io.BytesIO((GOLDEN / "v3-sparse.audelta").read_bytes()))
+    chunks = list(chunks)
+    kinds = [unpack_chunk(c).header.kind for c in chunks]
+    assert kinds == [ChunkKind.SPARSE, ChunkKind.RAW, ChunkKind.SPARSE]  # one element: raw is smaller
+    assert apply(base, m, chunks).digest() == target.digest() == m.target_digest
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("transform", [Transform.SUB, Transform.XOR])
 def test_golden_file_decodes_to_target(transform: Transform, version: int) -> None:
     base, target = golden_pair(unchanged=version >= 2)

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aurora.config.plan import estimate, plan
+from aurora.config.plan import estimate, plan, slowest_link_mbit
 from aurora.config.strict import convert
 from aurora.config.topology import Topology, check, load_topology
 from aurora.errors import ConfigError
@@ -87,6 +87,8 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("wan.0.regions", ["a", "a"], "wan[0].regions", "two different regions"),
     ("wan.0.bandwidth_mbit", 0, "wan[0].bandwidth_mbit", "must be > 0"),
     ("nodes.2.transport", {"kind": "carrier-pigeon"}, "nodes[2].transport.kind", "expected one of"),
+    ("sync", {"coding": "sparce"}, "sync.coding", "expected one of"),
+    ("sync", {"coding": "auto", "link_mbit": 0}, "sync.link_mbit", "must be > 0"),
 ]
 
 
@@ -179,3 +181,8 @@ def test_the_planned_tree_reaches_everyone_once_per_region_and_beats_the_star(to
     for name, fbs in tree.fallbacks.items():
         assert name not in fbs
         assert tree.parent[name] not in fbs
+
+
+def test_the_slowest_link_of_the_planned_tree_is_the_wan_crossing() -> None:
+    topo = load_topology(ROOT / "topologies" / "wan-4region.yaml")
+    assert slowest_link_mbit(topo, plan(topo)) == pytest.approx(100.0)  # one relay per region: 100 Mbit/s each

@@ -22,6 +22,8 @@ import torch
 from aurora.bench.refcoders import entropy_bounds, int32_bytes, leb128_bytes
 from aurora.bench.weightgen import synthetic_pair, trained_versions
 from aurora.codec import Weights, apply_in_place, encode
+from aurora.codec.choice import CodecSpeed
+from aurora.codec.encoder import Coding
 from aurora.codec.format import HEADER_BYTES, pack_manifest
 
 
@@ -40,6 +42,8 @@ class SizeRow:
     """positions | base exponent, plus values | exponent (empirical)."""
     ratio_vs_dense: float
     """dense bf16 bytes / our bytes."""
+    sparse: float = 0.0
+    """this format with SPARSE chunks (gaps and values), all-in."""
 
 
 @dataclass
@@ -52,6 +56,8 @@ class SpeedRow:
     threads: int
     encode_gbps_threads: float
     apply_gbps_threads: float
+    encode_gbps_sparse: float = 0.0
+    apply_gbps_sparse: float = 0.0
 
 
 def size_row(workload: str, b: Weights, t: Weights) -> SizeRow:
@@ -70,6 +76,7 @@ def size_row(workload: str, b: Weights, t: Weights) -> SizeRow:
         blind_entropy=per(ent["blind_positions"] / 8),
         cond_entropy=per((ent["cond_positions"] + ent["cond_values"]) / 8),
         ratio_vs_dense=t.nbytes / d.nbytes,
+        sparse=per(encode(b, t, base_version=0, target_version=1, coding=Coding.SPARSE).nbytes),
     )
 
 
@@ -84,20 +91,22 @@ def _best(f: Callable[[], object], reps: int) -> float:
 
 def speed_row(workload: str, b: Weights, t: Weights, reps: int, threads: int) -> SpeedRow:
     nbytes = b.nbytes
-    d = encode(b, t, base_version=0, target_version=1)  # also compiles the kernels
+    deltas = {c: encode(b, t, base_version=0, target_version=1, coding=c) for c in Coding}  # compiles the kernels
     b.tensor_digests()  # a publisher knows its base's digests already
     work = b.copy()
     src = b["w"].bits
     dst = np.empty_like(src)
 
-    def enc(n: int) -> Callable[[], None]:
+    def enc(n: int, coding: Coding) -> Callable[[], None]:
         def f() -> None:
             t.forget_digests()
-            encode(b, t, base_version=0, target_version=1, threads=n)
+            encode(b, t, base_version=0, target_version=1, threads=n, coding=coding)
 
         return f
 
-    def app(n: int) -> Callable[[], None]:
+    def app(n: int, coding: Coding) -> Callable[[], None]:
+        d = deltas[coding]
+
         def f() -> None:
             np.copyto(work["w"].bits, src)  # reset; its time (a memcpy) is subtracted below
             work.forget_digests()
@@ -106,9 +115,19 @@ def speed_row(workload: str, b: Weights, t: Weights, reps: int, threads: int) ->
         return f
 
     t_copy = _best(lambda: np.copyto(dst, src), reps)
-    gbps = [nbytes / _best(enc(n), reps) / 1e9 for n in (1, threads)]
-    gbps_app = [nbytes / max(_best(app(n), reps) - t_copy, 1e-9) / 1e9 for n in (1, threads)]
-    return SpeedRow(workload, nbytes, gbps[0], gbps_app[0], nbytes / t_copy / 1e9, threads, gbps[1], gbps_app[1])
+    runs = [(1, Coding.CONDITIONED), (threads, Coding.CONDITIONED), (1, Coding.SPARSE)]
+    gbps = [nbytes / _best(enc(n, c), reps) / 1e9 for n, c in runs]
+    gbps_app = [nbytes / max(_best(app(n, c), reps) - t_copy, 1e-9) / 1e9 for n, c in runs]
+    return SpeedRow(workload, nbytes, gbps[0], gbps_app[0], nbytes / t_copy / 1e9, threads, gbps[1], gbps_app[1],
+                    gbps[2], gbps_app[2])  # fmt: skip
+
+
+def coding_speed(speed: SpeedRow, at: SizeRow, itemsize: int = 2) -> CodecSpeed:
+    """The rule's inputs (`aurora.codec.choice`) from this run: encode + apply seconds per element of
+    each coding (one core), bytes per change of each on the workload ``at``."""
+    return CodecSpeed(itemsize / 1e9 / speed.encode_gbps + itemsize / 1e9 / speed.apply_gbps,
+                      itemsize / 1e9 / speed.encode_gbps_sparse + itemsize / 1e9 / speed.apply_gbps_sparse,
+                      at.ours, at.sparse)  # fmt: skip
 
 
 def run(
@@ -135,7 +154,7 @@ def run(
     progress(f"timing encode/apply on {n_speed * 2 / 2**20:.0f} MiB of bf16 weights at 1% density ...")
     b, t = synthetic_pair(n_speed, 0.01, seed=2)
     threads = max(1, min(4, os.cpu_count() or 1))
-    speed = speed_row("synthetic 1%", Weights.from_tensors(b), Weights.from_tensors(t), reps=2 if quick else 3,
+    speed = speed_row(f"synthetic {0.01:.1%}", Weights.from_tensors(b), Weights.from_tensors(t), reps=2 if quick else 3,
                       threads=threads)  # fmt: skip
     result: dict[str, object] = {"sizes": [asdict(r) for r in sizes], "speed": asdict(speed)}
     if json_path:
@@ -146,18 +165,21 @@ def run(
 
 def format_tables(sizes: list[SizeRow], speed: SpeedRow) -> str:
     head = (
-        f"{'workload':<24}{'density':>9}{'changed':>10}{'aurora':>9}{'(coded)':>9}{'leb128':>9}{'int32':>8}"
-        f"{'H(pos)':>9}{'H(.|exp)':>10}{'vs dense':>10}"
+        f"{'workload':<24}{'density':>9}{'changed':>10}{'aurora':>9}{'(coded)':>9}{'sparse':>8}{'leb128':>9}"
+        f"{'int32':>8}{'H(pos)':>9}{'H(.|exp)':>10}{'vs dense':>10}"
     )
     lines = ["bytes per changed element (all-in; lower is better)", head, "-" * len(head)]
     lines.extend(
-        f"{r.workload:<24}{r.density:>9.3%}{r.changed:>10}{r.ours:>9.3f}{r.ours_coded:>9.3f}{r.leb128:>9.3f}{r.int32:>8.2f}"
-        f"{r.blind_entropy:>9.3f}{r.cond_entropy:>10.3f}{r.ratio_vs_dense:>9.0f}x"
+        f"{r.workload:<24}{r.density:>9.3%}{r.changed:>10}{r.ours:>9.3f}{r.ours_coded:>9.3f}{r.sparse:>8.3f}"
+        f"{r.leb128:>9.3f}{r.int32:>8.2f}{r.blind_entropy:>9.3f}{r.cond_entropy:>10.3f}{r.ratio_vs_dense:>9.0f}x"
         for r in sizes
     )
+    at = next((r for r in sizes if r.workload == speed.workload), sizes[-1])
+    rule = coding_speed(speed, at)
     lines += [
         "",
-        "aurora = this format, all-in; (coded) = without fixed per-tensor costs (manifest rows, chunk headers);",
+        "aurora = this format, all-in (conditioned coding); (coded) = without fixed per-tensor costs (manifest rows,",
+        "chunk headers); sparse = this format with SPARSE chunks (gaps + values, O(changes) to apply), all-in;",
         "leb128 = published design (varint gaps + bf16 values); int32 = int32 positions + values;",
         "H(pos) = blind entropy bound of positions alone; H(.|exp) = positions and values given the base exponent.",
         "",
@@ -167,5 +189,15 @@ def format_tables(sizes: list[SizeRow], speed: SpeedRow) -> str:
         f"  memcpy {speed.memcpy_gbps:6.2f} GB/s",
         f"with {speed.threads} threads (chunks in parallel): encode {speed.encode_gbps_threads:.2f} GB/s, "
         f"apply {speed.apply_gbps_threads:.2f} GB/s",
+        f"sparse coding, one core: encode {speed.encode_gbps_sparse:.2f} GB/s, apply {speed.apply_gbps_sparse:.2f} GB/s",
+        "",
+        f"the choice by link (sync.coding: auto) with these numbers: conditioned {rule.cond_s_per_element * 1e9:.2f} "
+        f"ns/element and {rule.cond_bytes_per_change:.2f} B/change, sparse {rule.sparse_s_per_element * 1e9:.2f} ns/element",
+        f"and {rule.sparse_bytes_per_change:.2f} B/change ({at.workload}); sparse is cheaper below a density of "
+        + ", ".join(f"{_share(rule.threshold(mbit * 1e6 / 8))} at {mbit:g} Mbit/s" for mbit in (100, 1000, 10000)),
     ]
     return "\n".join(lines)
+
+
+def _share(density: float) -> str:
+    return "any (always)" if density >= 1 else f"{density:.2%}"

@@ -1,4 +1,4 @@
-"""The lossless sparse-delta codec (format v1; docs/delta-format.md).
+"""The lossless sparse-delta codec (format v3; docs/delta-format.md).
 
 Typical use::
 
@@ -13,7 +13,7 @@ Nothing here does I/O, reads a clock or logs.
 """
 
 from aurora.codec.decoder import DeltaReceiver, Patch, StagedDelta, apply, apply_in_place, receive
-from aurora.codec.encoder import SNAPSHOT_THRESHOLD, Delta, EncodeStats, encode, encode_stream
+from aurora.codec.encoder import SNAPSHOT_THRESHOLD, Coding, Delta, EncodeStats, encode, encode_stream
 from aurora.codec.format import MAX_CHUNK_BYTES, ChunkKind, Manifest, Transform, unpack_chunk, unpack_manifest
 from aurora.codec.ops import compose, invert
 from aurora.codec.weights import TensorBits, Weights
@@ -22,6 +22,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "SNAPSHOT_THRESHOLD",
     "ChunkKind",
+    "Coding",
     "Delta",
     "DeltaReceiver",
     "EncodeStats",

@@ -175,6 +175,9 @@ def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
         return Patch(name, h.start, None, new)
     if h.n_changed == 0:
         return None
+    if h.kind is ChunkKind.SPARSE:
+        idx, new = sparse_patch(c)
+        return Patch(name, h.start, idx + h.start, new)
     assert base is not None
     b = base.bits[h.start : h.stop]
     src = np.frombuffer(c.body, dtype=np.uint8)
@@ -191,6 +194,21 @@ def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
         )
     idx += h.start
     return Patch(name, h.start, idx, new)
+
+
+def sparse_patch(c: Chunk) -> tuple[np.ndarray, np.ndarray]:
+    """A SPARSE chunk's positions (in its span, ascending) and new bits; needs no base."""
+    h = c.header
+    d = h.dtype
+    src = np.frombuffer(c.body, dtype=np.uint8)
+    split = src.size - h.n_changed * d.itemsize  # the header check made it >= n_changed
+    status, idx, used = kernels.decode_positions(src[:split], h.n_changed, h.stop - h.start)
+    if status == 0 and used != split:
+        raise DeltaFormatError(f"sparse chunk (tensor {h.tensor_index}, chunk {h.chunk_index}): "
+                               f"{split - used} bytes between its positions and its values")  # fmt: skip
+    if status != 0:
+        raise DeltaFormatError(f"sparse chunk (tensor {h.tensor_index}, chunk {h.chunk_index}): {_ERRORS[-status]}")
+    return idx, src[split:].view(d.uint).copy()
 
 
 @dataclass(slots=True)

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from aurora.codec import kernels
-from aurora.codec.decoder import _ERRORS, DeltaReceiver
+from aurora.codec.decoder import _ERRORS, DeltaReceiver, sparse_patch
 from aurora.codec.dtypes import DType, dtype_of
-from aurora.codec.encoder import Changes, Delta, EncodeStats, iter_chunks, make_manifest
+from aurora.codec.encoder import Changes, Coding, Delta, EncodeStats, iter_chunks, make_manifest
 from aurora.codec.format import Chunk, ChunkKind, Manifest, Transform, chunk_count, span_elements
 from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import Weights
@@ -155,6 +155,7 @@ def encode_on_device(
     transform: Transform = Transform.SUB,
     threads: int = 1,
     window: int = WINDOW_ELEMENTS,
+    coding: Coding | Mapping[str, Coding] = Coding.CONDITIONED,
 ) -> Delta:
     """`encoder.encode` of two state dicts that live on a device: the same manifest and chunks, byte
     for byte, with the scans on the device and the range coder on ``threads`` CPU threads."""
@@ -162,7 +163,7 @@ def encode_on_device(
     m = make_manifest(host_b, host_t, base_version, target_version, transform)
     stats = EncodeStats()
     find = _DeviceFinder(m, base, target, window)
-    return Delta(m, tuple(iter_chunks(m, host_b, host_t, stats, threads=threads, find=find)), stats)
+    return Delta(m, tuple(iter_chunks(m, host_b, host_t, stats, threads=threads, find=find, coding=coding)), stats)
 
 
 def _entries(first: np.ndarray, ranks: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -243,10 +244,19 @@ def _staged(m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], 
             continue
         d, dev = entry.dtype, params[entry.name].device
         got = [rx.chunk(ti, ci) for ci in range(entry.n_chunks)]
+        signed = np.dtype(f"i{d.itemsize}")
         for c in got:
             if c.header.kind is ChunkKind.RAW:
-                raw = np.frombuffer(c.body, dtype=d.uint).view(np.dtype(f"i{d.itemsize}")).copy()
+                raw = np.frombuffer(c.body, dtype=d.uint).view(signed).copy()
                 yield entry.name, c.header.start, None, torch.from_numpy(raw).to(dev)
+            elif c.header.kind is ChunkKind.SPARSE:  # positions and values as they came: O(changes)
+                at, new = sparse_patch(c)
+                yield (
+                    entry.name,
+                    0,
+                    torch.from_numpy(at + c.header.start).to(dev),
+                    torch.from_numpy(new.view(signed)).to(dev),
+                )
         coded = [c for c in got if c.header.kind is ChunkKind.DELTA and c.header.n_changed]
         per = max(1, window // span_elements(d))
         decoded = zip(coded, ordered_map(_decode, coded, threads), strict=True)

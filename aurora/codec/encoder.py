@@ -12,13 +12,15 @@ snapshot (no base) is a delta made only of RAW chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import enum
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from aurora.codec import kernels
 from aurora.codec.format import (
+    MAX_VARINT_BYTES,
     ChunkHeader,
     ChunkKind,
     Manifest,
@@ -35,6 +37,16 @@ from aurora.errors import DeltaFormatError
 
 SNAPSHOT_THRESHOLD = 0.9
 """A delta at or above this fraction of the snapshot's bytes is not worth it."""
+
+
+class Coding(enum.Enum):
+    """How a tensor's changed positions are coded (`aurora.codec.choice` says when to use which)."""
+
+    CONDITIONED = "conditioned"
+    """DELTA chunks: ranks in base-exponent buckets, range-coded — the fewest bytes; both sides scan the span."""
+    SPARSE = "sparse"
+    """SPARSE chunks: positions as gaps, values overwritten — ~4x the bytes, O(changes) to apply."""
+
 
 Changes = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """One span's changed elements as `kernels.find_changes` returns them: (idx, rank, bucket, step)."""
@@ -91,6 +103,7 @@ def encode_span(
     stop: int,
     transform: Transform,
     changes: Changes | None = None,
+    coding: Coding = Coding.CONDITIONED,
 ) -> tuple[ChunkKind, int, bytes | memoryview]:
     """Code one span; returns (kind, n_changed, body). ``changes``: the span's changes when they
     were found elsewhere (on a device), else the span is scanned here."""
@@ -99,6 +112,8 @@ def encode_span(
     if base is None:
         return ChunkKind.RAW, stop - start, t.view(np.uint8).data
     d = target.dtype
+    if coding is Coding.SPARSE:
+        return _sparse_span(base.bits[start:stop], t, changes[0] if changes is not None else None)
     if changes is None:
         changes = kernels.find_changes(base.bits[start:stop], t, d.exp_shift, d.exp_mask, d.width, int(transform))
     idx, rank, buck, step = changes
@@ -112,6 +127,19 @@ def encode_span(
     return ChunkKind.DELTA, n, out[:written].tobytes()  # a copy of what was written: the span-sized buffer goes
 
 
+def _sparse_span(b: np.ndarray, t: np.ndarray, idx: np.ndarray | None) -> tuple[ChunkKind, int, bytes | memoryview]:
+    if idx is None:
+        idx = kernels.changed_positions(b, t)
+    n = int(idx.size)
+    if n == 0:
+        return ChunkKind.DELTA, 0, b""
+    gaps = np.empty(n * MAX_VARINT_BYTES, np.uint8)
+    written = int(kernels.encode_positions(idx, gaps))
+    if written < 0 or written + n * t.itemsize >= t.nbytes:
+        return ChunkKind.RAW, n, t.view(np.uint8).data
+    return ChunkKind.SPARSE, n, gaps[:written].tobytes() + t[idx].tobytes()
+
+
 @dataclass(slots=True)
 class EncodeStats:
     """What one encoding produced (filled in as chunks are yielded)."""
@@ -121,6 +149,7 @@ class EncodeStats:
     elements: int = 0
     bytes: int = 0
     raw_chunks: int = 0
+    sparse_chunks: int = 0
     weight_bytes: int = 0
     per_chunk: list[tuple[int, int, ChunkKind, int, int]] = field(default_factory=list)
     """(tensor_index, chunk_index, kind, n_changed, chunk bytes)."""
@@ -142,13 +171,18 @@ def iter_chunks(
     *,
     threads: int = 1,
     find: ChangeFinder | None = None,
+    coding: Coding | Mapping[str, Coding] = Coding.CONDITIONED,
 ) -> Iterator[bytes]:
     """Yield the packed chunks of ``manifest`` in tensor order (each <= MAX_CHUNK_BYTES).
 
     ``threads > 1`` codes chunks concurrently (the kernels release the GIL); the
     order and the bytes are the same as with one thread. ``find`` gives each span's
     changes (called from the coding threads) instead of a scan of ``base`` here.
+    ``coding``: for every tensor, or per tensor name (a name not in it: CONDITIONED).
     """
+
+    def coding_of(name: str) -> Coding:
+        return coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
 
     def jobs() -> Iterator[tuple[int, int]]:
         for ti, entry in enumerate(manifest.tensors):
@@ -166,8 +200,9 @@ def iter_chunks(
         src = base[entry.name] if base is not None else None
         start, stop = chunk_range(entry.numel, entry.dtype, ci)
         found = find(ti, ci) if find is not None and src is not None else None
-        kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform, found)
-        tr = Transform.NONE if kind is ChunkKind.RAW else manifest.transform
+        kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform, found,
+                                    coding_of(entry.name))  # fmt: skip
+        tr = manifest.transform if kind is ChunkKind.DELTA else Transform.NONE
         h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
         return ti, ci, kind, n, pack_chunk(h, body)
 
@@ -180,6 +215,7 @@ def iter_chunks(
             stats.elements += stop - start
             stats.bytes += len(packed)
             stats.raw_chunks += kind is ChunkKind.RAW
+            stats.sparse_chunks += kind is ChunkKind.SPARSE
             stats.weight_bytes += (stop - start) * entry.dtype.itemsize
             stats.per_chunk.append((ti, ci, kind, n, len(packed)))
         yield packed
@@ -194,10 +230,11 @@ def encode_stream(
     transform: Transform = Transform.SUB,
     stats: EncodeStats | None = None,
     threads: int = 1,
+    coding: Coding | Mapping[str, Coding] = Coding.CONDITIONED,
 ) -> tuple[Manifest, Iterator[bytes]]:
     """Manifest now, chunks lazily. ``base=None`` makes a snapshot."""
     m = make_manifest(base, target, base_version, target_version, transform)
-    return m, iter_chunks(m, base, target, stats, threads=threads)
+    return m, iter_chunks(m, base, target, stats, threads=threads, coding=coding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,8 +267,9 @@ def encode(
     target_version: int,
     transform: Transform = Transform.SUB,
     threads: int = 1,
+    coding: Coding | Mapping[str, Coding] = Coding.CONDITIONED,
 ) -> Delta:
     stats = EncodeStats()
     m, it = encode_stream(base, target, base_version=base_version, target_version=target_version,
-                          transform=transform, stats=stats, threads=threads)  # fmt: skip
+                          transform=transform, stats=stats, threads=threads, coding=coding)  # fmt: skip
     return Delta(m, tuple(it), stats)

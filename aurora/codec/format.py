@@ -1,4 +1,4 @@
-"""Wire layout of delta format v1: the manifest and the chunk (docs/delta-format.md).
+"""Wire layout of delta format v3: the manifest and the chunk (docs/delta-format.md).
 
 Pure packing and unpacking with full validation: anything read from the wire is
 checked here (magic, version, lengths, digests, field ranges) and a violation
@@ -17,10 +17,13 @@ from aurora.codec.digest import DIGEST_BYTES, digest_bytes
 from aurora.codec.dtypes import BY_CODE, BY_NAME, DType
 from aurora.errors import DeltaFormatError
 
-FORMAT_VERSION = 2
-"""v2: a tensor that a delta leaves unchanged (its target digest is its base digest) carries no chunks,
-so a version that changes nothing costs a manifest row per tensor. v1 (every tensor chunked) is read too."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""v3: a chunk may be SPARSE (positions as gaps, values overwritten: O(changes) to apply, no scan of the
+base). v2: a tensor that a delta leaves unchanged (its target digest is its base digest) carries no
+chunks, so a version that changes nothing costs a manifest row per tensor. v1 (every tensor chunked) and
+v2 are read too."""
+READABLE_VERSIONS = (1, 2, 3)
+MAX_VARINT_BYTES = 10
 CHUNK_MAGIC = b"AUDC"
 MANIFEST_MAGIC = b"AUDM"
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -46,6 +49,7 @@ HEADER_BYTES = _HEAD.size + DIGEST_BYTES  # 80
 class ChunkKind(enum.IntEnum):
     DELTA = 0  # coded changes against the base
     RAW = 1  # the target's bits for the span, verbatim
+    SPARSE = 2  # positions as LEB128 gaps, then the target's bits there (format v3)
 
 
 class Transform(enum.IntEnum):
@@ -115,6 +119,9 @@ def unpack_chunk(data: bytes | bytearray | memoryview) -> Chunk:
         raise DeltaFormatError(f"raw chunk (tensor {ti}, chunk {ci}) has a wrong body length")
     if k is ChunkKind.DELTA and (tr is Transform.NONE or (n_changed == 0) != (blen == 0)):
         raise DeltaFormatError(f"delta chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
+    if k is ChunkKind.SPARSE and (version < 3 or tr is not Transform.NONE or n_changed == 0
+                                  or not n_changed * (1 + dt.itemsize) <= blen <= n_changed * (MAX_VARINT_BYTES + dt.itemsize)):  # fmt: skip
+        raise DeltaFormatError(f"sparse chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
     h = ChunkHeader(k, tr, dt, ti, ci, start, stop, n_changed, blen, bytes(did))
     return Chunk(h, mv[HEADER_BYTES:])
 

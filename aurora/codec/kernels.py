@@ -595,3 +595,66 @@ def scatter(dst: np.ndarray, idx: np.ndarray, new: np.ndarray, old: np.ndarray) 
         i = idx[j]
         old[j] = dst[i]
         dst[i] = new[j]
+
+
+# --------------------------------------------------------------------------- sparse (positions as gaps)
+# A SPARSE body (docs/delta-format.md §4.5) names its positions as LEB128 gaps and overwrites their
+# values: O(changes) to apply, with no scan of the base, for about 4x a DELTA body's bytes.
+@njit(cache=True, nogil=True)
+def _scan_positions(base, target, i, k, idx):  # type: ignore[no-untyped-def]
+    n = base.shape[0]
+    cap = idx.shape[0]
+    while i < n:
+        if base[i] != target[i]:
+            if k == cap:
+                return i, k
+            idx[k] = i
+            k += 1
+        i += 1
+    return i, k
+
+
+@njit(cache=True, nogil=True)
+def changed_positions(base: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Ascending positions where the bits differ (no buckets, no ranks: a compare and a store);
+    the array starts at 1/16 of the span and doubles like `find_changes`'."""
+    n = base.shape[0]
+    cap = min(n, max(1024, n >> 4))
+    idx = np.empty(cap, np.int64)
+    i, k = _scan_positions(base, target, 0, 0, idx)
+    while i < n:
+        cap = min(n, cap * 2)
+        idx = _grow(idx, cap)
+        i, k = _scan_positions(base, target, i, k, idx)
+    return idx[:k]
+
+
+@njit(cache=True, nogil=True)
+def encode_positions(idx: np.ndarray, out: np.ndarray) -> int:
+    """Write ascending ``idx`` as LEB128 gaps (the first position, then each gap less one); returns
+    the bytes written or ``-ERR_OVERFLOW``."""
+    pos = 0
+    prev = -1
+    for j in range(idx.shape[0]):
+        pos = _put_varint(out, pos, U64(idx[j] - prev - 1))
+        prev = idx[j]
+    return pos if pos <= out.shape[0] else -ERR_OVERFLOW
+
+
+@njit(cache=True, nogil=True)
+def decode_positions(src: np.ndarray, n_changed: int, n_elems: int) -> tuple[int, np.ndarray, int]:
+    """Read ``n_changed`` gaps from ``src``: ``(status, idx, bytes read)``; every position is checked
+    to lie in ``[0, n_elems)`` (so they are ascending and distinct by construction)."""
+    end = src.shape[0]
+    idx = np.empty(n_changed, np.int64)
+    pos = 0
+    prev = -1
+    for j in range(n_changed):
+        g, pos = _get_varint(src, pos, end)
+        if pos < 0:
+            return -ERR_TRUNCATED, idx, 0
+        if g >= U64(n_elems - prev - 1):
+            return -ERR_RANGE, idx, 0
+        prev = prev + 1 + np.int64(g)
+        idx[j] = prev
+    return 0, idx, pos

@@ -75,6 +75,19 @@ class Tree:
 
 def estimate(topo: Topology, parent: dict[str, str | None], payload_bytes: int) -> dict[str, float]:
     """Finish times of every node whose chain to the trainer is resolved (see the module docstring)."""
+    return {n: start + (payload_bytes / rate if rate != float("inf") else 0.0)
+            for n, (start, rate) in _inbound(topo, parent).items()}  # fmt: skip
+
+
+def slowest_link_mbit(topo: Topology, tree: Tree) -> float:
+    """The lowest rate at which any node of ``tree`` receives (Mbit/s, the cost model's): the link
+    that sets how long a version's bytes take to reach every node."""
+    rates = [r for r in _inbound(topo, tree.parent).values() if r[1] != float("inf")]
+    return min((rate * 8 / 1e6 for _, rate in rates), default=topo.region(topo.trainer.region).bandwidth_mbit)
+
+
+def _inbound(topo: Topology, parent: dict[str, str | None]) -> dict[str, tuple[float, float]]:
+    """(start s, receive rate B/s) of every node whose chain to the trainer is resolved (the trainer: 0, inf)."""
     nodes = {n.name: n for n in topo.nodes}
     children: dict[str, list[str]] = {}
     for c, p in parent.items():
@@ -85,10 +98,9 @@ def estimate(topo: Topology, parent: dict[str, str | None], payload_bytes: int) 
         if p is not None and p != AUTO and nodes[c].region != nodes[p].region:
             key = frozenset((nodes[c].region, nodes[p].region))
             crossings[key] = crossings.get(key, 0) + 1
-    finish: dict[str, float] = {}
     root = topo.trainer.name
     stack: list[tuple[str, float, float]] = [(root, 0.0, float("inf"))]  # node, start, inbound rate
-    finish[root] = 0.0
+    out: dict[str, tuple[float, float]] = {root: (0.0, float("inf"))}
     while stack:
         p, start, inrate = stack.pop()
         kids = children.get(p, [])
@@ -100,9 +112,9 @@ def estimate(topo: Topology, parent: dict[str, str | None], payload_bytes: int) 
             share = crossings[frozenset((np_.region, nc.region))] if nc.region != np_.region else 1
             rate = min(egress / len(kids), _bytes_s(bw_mbit) / share, inrate)
             c_start = start + rtt_ms / 2000
-            finish[c] = c_start + payload_bytes / rate
+            out[c] = (c_start, rate)
             stack.append((c, c_start, rate))
-    return finish
+    return out
 
 
 def _bytes_s(mbit: float) -> float:

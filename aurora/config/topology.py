@@ -168,6 +168,16 @@ class SyncSpec:
     deliver: bool = True
     """False: the trainer keeps its versions to itself (rollouts stay on the version they first got).
     Only for the sync-free ideal that `aurora bench rl` compares against; not a way to train."""
+    coding: Literal["conditioned", "sparse", "auto"] = "conditioned"
+    """How the trainer codes changed positions: ``conditioned`` (ranks in base-exponent buckets, the fewest
+    bytes), ``sparse`` (gaps and values: ~4x the bytes, O(changes) to apply), ``auto`` (per tensor, by the
+    link and this machine's measured codec speed; `aurora.actors.coding`)."""
+    link_mbit: float | None = None
+    """With ``coding: auto``: the bandwidth the rule assumes (default: the slowest link of the planned tree)."""
+
+    def __post_init__(self) -> None:
+        if self.link_mbit is not None and not self.link_mbit > 0:
+            raise ConfigError("must be > 0", path="link_mbit")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
