@@ -1,8 +1,9 @@
 """The fixed inputs behind the golden fixtures (tests/golden/v*.audelta).
 
-The v1 and v2 files are kept as those versions wrote them (this build must still read them); the
-v3 ones are what this build writes, from the same pair plus a tensor the delta leaves unchanged
-(v2 on gives it no chunks), and ``v3-sparse`` the same delta with SPARSE chunks. Regenerate only on a deliberate format change (and bump FORMAT_VERSION):
+The v1 files are kept as v1 wrote them (this build must still read them); the v2 ones are what
+this build writes for a delta without SPARSE chunks (byte for byte what v2 wrote), from the same
+pair plus a tensor the delta leaves unchanged (v2 gives it no chunks); ``v3-sparse`` is the same
+delta with SPARSE chunks (format v3). Regenerate only on a deliberate format change (and bump FORMAT_VERSION):
 ``python -m tests.golden_inputs`` (it writes the current version's files only).
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 from aurora.codec import Transform, Weights, encode
 from aurora.codec.container import write_delta
 from aurora.codec.encoder import Coding
-from aurora.codec.format import FORMAT_VERSION
+from aurora.codec.format import FORMAT_VERSION, PLAIN_VERSION
 from tests.helpers import tensor_from_raw
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -65,6 +66,6 @@ def golden_bytes(transform: Transform, coding: Coding = Coding.CONDITIONED) -> b
 if __name__ == "__main__":
     GOLDEN.mkdir(exist_ok=True)
     for tr in (Transform.SUB, Transform.XOR):
-        (GOLDEN / f"v{FORMAT_VERSION}-{tr.name.lower()}.audelta").write_bytes(golden_bytes(tr))
+        (GOLDEN / f"v{PLAIN_VERSION}-{tr.name.lower()}.audelta").write_bytes(golden_bytes(tr))
     (GOLDEN / f"v{FORMAT_VERSION}-sparse.audelta").write_bytes(golden_bytes(Transform.SUB, Coding.SPARSE))
     print("wrote", sorted(p.name for p in GOLDEN.iterdir()))

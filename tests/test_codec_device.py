@@ -1,6 +1,6 @@
 """Layer 1: the codec's device path (torch passes) writes and applies the CPU path's bytes.
 
-Run here on CPU tensors; the same code runs on CUDA tensors (scripts/gpu_codec_check.py).
+Run here on CPU tensors; the same code runs on CUDA tensors (`aurora bench codec --scale --device cuda`).
 """
 
 from __future__ import annotations
@@ -95,3 +95,33 @@ def test_a_delta_for_another_base_changes_nothing_on_the_device() -> None:
     wrong_shape = _tensors(b) | {"small": torch.ones(8, dtype=torch.bfloat16)}
     with pytest.raises(DeltaFormatError, match="'small'"):
         apply_on_device(wrong_shape, d.manifest, d.chunks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(weight_pairs(), st.sampled_from(list(Coding)), st.integers(1, 4))
+def test_tiny_spans_cross_every_window_boundary(pair: tuple[Weights, Weights], coding: Coding, spans: int) -> None:
+    # 96-byte spans: a 40x40 tensor has dozens of spans and windows of 1-4 of them, for every dtype.
+    from aurora.codec import format as fmt
+
+    b, t = pair
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fmt, "CHUNK_SPAN_BYTES", 96)
+        cpu = encode(b, t, base_version=1, target_version=2, coding=coding)
+        dev = encode_on_device(_tensors(b), _tensors(t), base_version=1, target_version=2, coding=coding,
+                               window=spans * 12, threads=2)  # fmt: skip
+        assert dev.chunks == cpu.chunks
+        params = _tensors(b)
+        apply_on_device(params, cpu.manifest, cpu.chunks, window=spans * 12)
+        assert _same_bits(params, t)
+
+
+def test_a_tensor_that_is_not_contiguous_is_refused_before_any_write() -> None:
+    b, t = _big_pair(0.01, 0.05)
+    d = encode(b, t, base_version=1, target_version=2)
+    params = _tensors(b)
+    wide = torch.zeros(params["w"].shape[0], 2, dtype=torch.bfloat16)
+    wide[:, 0] = params["w"]
+    params["w"] = wide[:, 0]  # the right bits and shape, every other element of a buffer
+    with pytest.raises(DeltaFormatError, match="not contiguous"):
+        apply_on_device(params, d.manifest, d.chunks)
+    assert torch.equal(wide[:, 0].view(torch.int16), torch.from_numpy(b["w"].bits.view(np.int16)))

@@ -184,7 +184,8 @@ def test_forged_sparse_chunk_changes_nothing(pair: tuple[Weights, Weights], data
 @pytest.mark.parametrize(
     ("gaps", "why"),
     [
-        (b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", "out of range"),  # a gap of 2^63: past the span
+        (b"\xa0\x9c\x01", "out of range"),  # position 20000 in a span of 20000 elements
+        (b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", "inconsistent header"),  # longer than any gap in the span
         (b"\x80", "truncated"),  # a varint that never ends
         (b"\x00\x00", "between its positions and its values"),  # one position, one byte left over
     ],
@@ -211,3 +212,22 @@ def test_sparse_chunk_needs_format_3_and_no_transform(pair: tuple[Weights, Weigh
         unpack_chunk(forged)
     with pytest.raises(DeltaFormatError, match="inconsistent header"):
         unpack_chunk(pack_chunk(replace(c.header, transform=Transform.SUB), bytes(c.body)))
+
+
+def test_a_sparse_chunk_in_a_v2_delta_is_refused(pair: tuple[Weights, Weights]) -> None:
+    b, t = pair
+    plain = encode(b, t, base_version=0, target_version=1)  # conditioned: a v2 manifest
+    sparse, _ = _sparse(pair)
+    assert (plain.manifest.format, sparse.manifest.format) == (2, 3)
+    assert unpack_chunk(plain.chunks[0]).header.kind is ChunkKind.DELTA
+    rx = DeltaReceiver(plain.manifest)
+    with pytest.raises(DeltaFormatError, match="SPARSE, which a format-2 delta cannot hold"):
+        rx.add(sparse.chunks[0])  # same delta id: the manifests differ only in their format
+
+
+@pytest.mark.parametrize("gap", [b"\x80\x00", b"\x80" * 9 + b"\x02"])
+def test_overlong_varints_are_not_read(pair: tuple[Weights, Weights], gap: bytes) -> None:
+    from aurora.codec import kernels
+
+    status, _, _ = kernels.decode_positions(np.frombuffer(gap, np.uint8), 1, 1 << 20)
+    assert status == -kernels.ERR_TRUNCATED

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from aurora.codec.format import (
-    FORMAT_VERSION,
     MAX_CHUNK_BYTES,
     MAX_MANIFEST_BYTES,
     READABLE_VERSIONS,
@@ -29,7 +28,7 @@ _REC = struct.Struct("<I")
 
 def write_delta(f: BinaryIO, manifest: Manifest, chunks: Iterable[bytes]) -> int:
     """Write a delta file; returns bytes written."""
-    n = f.write(FILE_MAGIC + struct.pack("<H", max(FORMAT_VERSION, manifest.format)))
+    n = f.write(FILE_MAGIC + struct.pack("<H", manifest.format))
     for rec in _chain(manifest, iter(chunks)):
         n += f.write(_REC.pack(len(rec)))
         n += f.write(rec)

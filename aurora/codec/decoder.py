@@ -101,6 +101,8 @@ class DeltaReceiver:
             raise DeltaFormatError(f"{where}: span or dtype does not match tensor {entry.name!r}")
         if m.is_snapshot and h.kind is not ChunkKind.RAW:
             raise DeltaFormatError(f"{where}: a snapshot holds only raw chunks")
+        if h.kind is ChunkKind.SPARSE and m.format < 3:
+            raise DeltaFormatError(f"{where} is SPARSE, which a format-{m.format} delta cannot hold")
         if h.kind is ChunkKind.DELTA and h.transform is not m.transform:
             raise DeltaFormatError(f"{where}: transform differs from the manifest's")
         key = (h.tensor_index, h.chunk_index)

@@ -29,7 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import groupby
 from threading import Lock
 
@@ -39,7 +39,7 @@ import torch
 from aurora.codec import kernels
 from aurora.codec.decoder import _ERRORS, DeltaReceiver, sparse_patch
 from aurora.codec.dtypes import DType, dtype_of
-from aurora.codec.encoder import Changes, Coding, Delta, EncodeStats, iter_chunks, make_manifest
+from aurora.codec.encoder import Changes, Coding, Delta, EncodeStats, format_for, iter_chunks, make_manifest
 from aurora.codec.format import Chunk, ChunkKind, Manifest, Transform, chunk_count, span_elements
 from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import Weights
@@ -88,10 +88,17 @@ def _rank_window(b: torch.Tensor, d: DType) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def find_changes(
-    base: torch.Tensor, target: torch.Tensor, d: DType, transform: Transform, *, window: int = WINDOW_ELEMENTS
+    base: torch.Tensor,
+    target: torch.Tensor,
+    d: DType,
+    transform: Transform,
+    *,
+    window: int = WINDOW_ELEMENTS,
+    ranks: bool = True,
 ) -> Iterator[tuple[int, Changes]]:
     """``(chunk index, changes)`` for every span of one tensor, in order; ``changes`` equal what
-    `kernels.find_changes` returns for the span (indices local to it)."""
+    `kernels.find_changes` returns for the span (indices local to it). ``ranks=False``: positions and
+    steps only, rank and bucket left empty (what a SPARSE chunk needs: no sort)."""
     b_all, t_all = signed_view(base), signed_view(target)
     span = span_elements(d)
     wmask = np.uint64((1 << d.width) - 1)
@@ -104,12 +111,14 @@ def find_changes(
             for j in range(n_spans):
                 yield c0 + j, (empty, empty, empty, np.empty(0, np.uint64))
             continue
-        key, order, starts, _ = _rank_window(b, d)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.shape[0], device=order.device)
-        kc = key[changed].to(torch.int64)
-        rank = (inv[changed] - starts[kc]).cpu().numpy()
-        buck = (kc % d.n_buckets).cpu().numpy()
+        rank = buck = np.empty(0, np.int64)
+        if ranks:
+            key, order, starts, _ = _rank_window(b, d)
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.shape[0], device=order.device)
+            kc = key[changed].to(torch.int64)
+            rank = (inv[changed] - starts[kc]).cpu().numpy()
+            buck = (kc % d.n_buckets).cpu().numpy()
         idx = changed.cpu().numpy()
         bb = _host_uint(b[changed], d).astype(np.uint64)
         tb = _host_uint(t[changed], d).astype(np.uint64)
@@ -117,27 +126,34 @@ def find_changes(
         cuts = np.searchsorted(idx, np.arange(n_spans + 1, dtype=np.int64) * span)
         for j in range(n_spans):
             s, e = cuts[j], cuts[j + 1]
-            yield c0 + j, (idx[s:e] - j * span, rank[s:e], buck[s:e], step[s:e])
+            yield c0 + j, (idx[s:e] - j * span, rank[s:e] if ranks else rank, buck[s:e] if ranks else buck, step[s:e])
 
 
 class _DeviceFinder:
     """`encoder.ChangeFinder` over device tensors: a tensor's spans are found together, on the first ask
-    for one of them, and each is handed out once (so what is held is the changes not yet coded)."""
+    for one of them, and each is handed out once (so what is held is the changes not yet coded). One
+    tensor's pass holds only that tensor's lock: threads coding spans already found go on."""
 
     def __init__(self, manifest: Manifest, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
-                 window: int) -> None:  # fmt: skip
-        self._m, self._base, self._target, self._window = manifest, base, target, window
+                 window: int, sparse: Callable[[str], bool]) -> None:  # fmt: skip
+        self._m, self._base, self._target, self._window, self._sparse = manifest, base, target, window, sparse
         self._lock = Lock()
+        self._tensor_locks: dict[int, Lock] = {}
         self._found: dict[tuple[int, int], Changes] = {}
 
     def __call__(self, ti: int, ci: int) -> Changes:
         with self._lock:
-            if (ti, ci) not in self._found:
-                e = self._m.tensors[ti]
-                found = find_changes(self._base[e.name], self._target[e.name], e.dtype, self._m.transform,
-                                     window=self._window)  # fmt: skip
-                self._found.update(((ti, c), ch) for c, ch in found)  # other threads may still want earlier tensors'
-            return self._found.pop((ti, ci))
+            tensor_lock = self._tensor_locks.setdefault(ti, Lock())
+        with tensor_lock:
+            with self._lock:
+                if (ti, ci) in self._found:
+                    return self._found.pop((ti, ci))
+            e = self._m.tensors[ti]
+            found = list(find_changes(self._base[e.name], self._target[e.name], e.dtype, self._m.transform,
+                                      window=self._window, ranks=not self._sparse(e.name)))  # fmt: skip
+            with self._lock:
+                self._found.update(((ti, c), ch) for c, ch in found)
+                return self._found.pop((ti, ci))
 
 
 def host_weights(tensors: Mapping[str, torch.Tensor]) -> Weights:
@@ -160,9 +176,14 @@ def encode_on_device(
     """`encoder.encode` of two state dicts that live on a device: the same manifest and chunks, byte
     for byte, with the scans on the device and the range coder on ``threads`` CPU threads."""
     host_b, host_t = host_weights(base), host_weights(target)
-    m = make_manifest(host_b, host_t, base_version, target_version, transform)
+    m = make_manifest(host_b, host_t, base_version, target_version, transform, format=format_for(coding))
     stats = EncodeStats()
-    find = _DeviceFinder(m, base, target, window)
+
+    def sparse(name: str) -> bool:
+        c = coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
+        return c is Coding.SPARSE
+
+    find = _DeviceFinder(m, base, target, window, sparse)
     return Delta(m, tuple(iter_chunks(m, host_b, host_t, stats, threads=threads, find=find, coding=coding)), stats)
 
 
@@ -231,10 +252,14 @@ def check_tensors(m: Manifest, params: Mapping[str, torch.Tensor]) -> None:
         if dtype_of(p) != t.dtype or tuple(p.shape) != t.shape:
             raise DeltaFormatError(f"tensor {t.name!r}: delta expects {t.dtype.name}{list(t.shape)}, "
                                    f"the device has {p.dtype}{list(p.shape)}")  # fmt: skip
+        if not p.is_contiguous():  # a flat view of it would be a copy, and the writes would land there
+            raise DeltaFormatError(f"tensor {t.name!r} is not contiguous: apply into a contiguous tensor")
 
 
 Staged = tuple[str, int, torch.Tensor | None, torch.Tensor]
-"""(tensor name, start, idx, new bits): ``idx`` the positions of ``new``, or None for a raw span from ``start``."""
+"""(tensor name, start, idx, new bits): ``idx`` the positions of ``new`` (both on the device), or None
+for a raw span from ``start`` (its bits kept on the host until written: a snapshot would else hold a
+second copy of the weights on the device)."""
 
 
 def _staged(m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], threads: int,
@@ -248,7 +273,7 @@ def _staged(m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], 
         for c in got:
             if c.header.kind is ChunkKind.RAW:
                 raw = np.frombuffer(c.body, dtype=d.uint).view(signed).copy()
-                yield entry.name, c.header.start, None, torch.from_numpy(raw).to(dev)
+                yield entry.name, c.header.start, None, torch.from_numpy(raw)
             elif c.header.kind is ChunkKind.SPARSE:  # positions and values as they came: O(changes)
                 at, new = sparse_patch(c)
                 yield (
@@ -294,13 +319,13 @@ def apply_on_device(
     staged = list(_staged(m, rx, params, threads, window))  # every check that reads the base, before a write
     flat = {n: signed_view(t) for n, t in params.items()}
     carried = {t.name for t in m.tensors if m.carries(t)}
-    undo: list[Staged] = []
+    undo: list[Staged] = []  # the old bits, on the host
     try:
         for name, start, idx, new in staged:
             dst = flat[name]
             where = idx if idx is not None else slice(start, start + new.shape[0])
-            undo.append((name, start, idx, dst[where].clone()))
-            dst[where] = new
+            undo.append((name, start, idx, dst[where].to("cpu", copy=True)))
+            dst[where] = new.to(dst.device)
         digests = host_weights({n: params[n] for n in carried}).tensor_digests()
         bad = [t.name for t in m.tensors if t.name in carried and digests[t.name] != t.target_digest]
         if bad:
@@ -308,6 +333,7 @@ def apply_on_device(
                                    f"differ from the target digests (first: {bad[0]!r}); the base was restored")  # fmt: skip
     except BaseException:
         for name, start, idx, old in reversed(undo):
-            flat[name][idx if idx is not None else slice(start, start + old.shape[0])] = old
+            dst = flat[name]
+            dst[idx if idx is not None else slice(start, start + old.shape[0])] = old.to(dst.device)
         raise
     return carried

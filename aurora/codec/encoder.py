@@ -20,7 +20,8 @@ import numpy as np
 
 from aurora.codec import kernels
 from aurora.codec.format import (
-    MAX_VARINT_BYTES,
+    FORMAT_VERSION,
+    PLAIN_VERSION,
     ChunkHeader,
     ChunkKind,
     Manifest,
@@ -30,6 +31,7 @@ from aurora.codec.format import (
     delta_id_for,
     pack_chunk,
     pack_manifest,
+    varint_bytes,
 )
 from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import TensorBits, Weights
@@ -70,7 +72,7 @@ def check_compatible(base: Weights, target: Weights) -> None:
 
 
 def make_manifest(base: Weights | None, target: Weights, base_version: int | None, target_version: int,
-                  transform: Transform = Transform.SUB) -> Manifest:  # fmt: skip
+                  transform: Transform = Transform.SUB, *, format: int = PLAIN_VERSION) -> Manifest:  # fmt: skip
     if base is not None:
         check_compatible(base, target)
     bd = base.tensor_digests() if base is not None else None
@@ -93,6 +95,7 @@ def make_manifest(base: Weights | None, target: Weights, base_version: int | Non
         target_digest=target_digest,
         transform=transform,
         tensors=entries,
+        format=format,
     )
 
 
@@ -133,7 +136,7 @@ def _sparse_span(b: np.ndarray, t: np.ndarray, idx: np.ndarray | None) -> tuple[
     n = int(idx.size)
     if n == 0:
         return ChunkKind.DELTA, 0, b""
-    gaps = np.empty(n * MAX_VARINT_BYTES, np.uint8)
+    gaps = np.empty(n * varint_bytes(t.size), np.uint8)
     written = int(kernels.encode_positions(idx, gaps))
     if written < 0 or written + n * t.itemsize >= t.nbytes:
         return ChunkKind.RAW, n, t.view(np.uint8).data
@@ -178,11 +181,13 @@ def iter_chunks(
     ``threads > 1`` codes chunks concurrently (the kernels release the GIL); the
     order and the bytes are the same as with one thread. ``find`` gives each span's
     changes (called from the coding threads) instead of a scan of ``base`` here.
-    ``coding``: for every tensor, or per tensor name (a name not in it: CONDITIONED).
+    ``coding``: for every tensor, or per tensor name (a name not in it: CONDITIONED); SPARSE
+    only in a manifest of format 3 (`format_for`).
     """
 
     def coding_of(name: str) -> Coding:
-        return coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
+        c = coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
+        return c if manifest.format >= FORMAT_VERSION else Coding.CONDITIONED
 
     def jobs() -> Iterator[tuple[int, int]]:
         for ti, entry in enumerate(manifest.tensors):
@@ -233,8 +238,14 @@ def encode_stream(
     coding: Coding | Mapping[str, Coding] = Coding.CONDITIONED,
 ) -> tuple[Manifest, Iterator[bytes]]:
     """Manifest now, chunks lazily. ``base=None`` makes a snapshot."""
-    m = make_manifest(base, target, base_version, target_version, transform)
+    m = make_manifest(base, target, base_version, target_version, transform, format=format_for(coding))
     return m, iter_chunks(m, base, target, stats, threads=threads, coding=coding)
+
+
+def format_for(coding: Coding | Mapping[str, Coding]) -> int:
+    """The version a delta coded so is written in: v3 only where it may hold SPARSE chunks."""
+    sparse = coding is Coding.SPARSE if isinstance(coding, Coding) else Coding.SPARSE in coding.values()
+    return FORMAT_VERSION if sparse else PLAIN_VERSION
 
 
 @dataclass(frozen=True, slots=True)

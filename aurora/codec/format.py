@@ -18,12 +18,14 @@ from aurora.codec.dtypes import BY_CODE, BY_NAME, DType
 from aurora.errors import DeltaFormatError
 
 FORMAT_VERSION = 3
-"""v3: a chunk may be SPARSE (positions as gaps, values overwritten: O(changes) to apply, no scan of the
-base). v2: a tensor that a delta leaves unchanged (its target digest is its base digest) carries no
-chunks, so a version that changes nothing costs a manifest row per tensor. v1 (every tensor chunked) and
-v2 are read too."""
+"""The newest version this build writes. v3: a chunk may be SPARSE (positions as gaps, values
+overwritten: O(changes) to apply, no scan of the base); only a delta that may hold SPARSE chunks is
+written as v3 (its manifest and those chunks), so a delta coded as before reads on a v2 build. v2: a
+tensor that a delta leaves unchanged (its target digest is its base digest) carries no chunks, so a
+version that changes nothing costs a manifest row per tensor. v1 (every tensor chunked) is read too."""
+PLAIN_VERSION = 2
+"""The version of a delta without SPARSE chunks (manifest and chunks), byte for byte what v2 wrote."""
 READABLE_VERSIONS = (1, 2, 3)
-MAX_VARINT_BYTES = 10
 CHUNK_MAGIC = b"AUDC"
 MANIFEST_MAGIC = b"AUDM"
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -84,7 +86,8 @@ class Chunk:
 
 def pack_chunk(h: ChunkHeader, body: bytes | memoryview) -> bytes:
     head = _HEAD.pack(
-        CHUNK_MAGIC, FORMAT_VERSION, h.kind, h.transform, h.dtype.code, 0, 0,
+        CHUNK_MAGIC, FORMAT_VERSION if h.kind is ChunkKind.SPARSE else PLAIN_VERSION, h.kind, h.transform,
+        h.dtype.code, 0, 0,
         h.tensor_index, h.chunk_index, h.start, h.stop, h.n_changed, len(body), h.delta_id,
     )  # fmt: skip
     return b"".join((head, digest_bytes(head, body), body))
@@ -120,10 +123,15 @@ def unpack_chunk(data: bytes | bytearray | memoryview) -> Chunk:
     if k is ChunkKind.DELTA and (tr is Transform.NONE or (n_changed == 0) != (blen == 0)):
         raise DeltaFormatError(f"delta chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
     if k is ChunkKind.SPARSE and (version < 3 or tr is not Transform.NONE or n_changed == 0
-                                  or not n_changed * (1 + dt.itemsize) <= blen <= n_changed * (MAX_VARINT_BYTES + dt.itemsize)):  # fmt: skip
+                                  or not n_changed * (1 + dt.itemsize) <= blen <= n_changed * (varint_bytes(stop - start) + dt.itemsize)):  # fmt: skip
         raise DeltaFormatError(f"sparse chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
     h = ChunkHeader(k, tr, dt, ti, ci, start, stop, n_changed, blen, bytes(did))
     return Chunk(h, mv[HEADER_BYTES:])
+
+
+def varint_bytes(v: int) -> int:
+    """Bytes of the LEB128 varint of ``v`` (the longest a gap inside a span of ``v`` elements needs)."""
+    return max(1, (v.bit_length() + 6) // 7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +179,7 @@ class Manifest:
     target_digest: bytes
     transform: Transform
     tensors: tuple[TensorEntry, ...]
-    format: int = FORMAT_VERSION
+    format: int = PLAIN_VERSION
     """The format this manifest is written in (it is re-packed in it, byte for byte)."""
 
     @property

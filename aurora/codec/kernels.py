@@ -186,6 +186,8 @@ def _put_varint(out: np.ndarray, pos: int, v: np.uint64) -> int:
 
 @njit(inline="always", cache=True)
 def _get_varint(src: np.ndarray, pos: int, end: int) -> tuple[np.uint64, int]:
+    """A canonical LEB128 varint (the shortest form, at most 64 bits), or ``(0, -1)``: so one value
+    has one encoding, and no bit is silently dropped."""
     v = U64(0)
     shift = U64(0)
     while True:
@@ -193,8 +195,12 @@ def _get_varint(src: np.ndarray, pos: int, end: int) -> tuple[np.uint64, int]:
             return U64(0), -1
         byte = U64(src[pos])
         pos += 1
+        if shift == U64(63) and byte > U64(1):
+            return U64(0), -1
         v |= (byte & U64(0x7F)) << shift
         if byte < U64(0x80):
+            if byte == U64(0) and shift > U64(0):  # a trailing zero group: not the shortest form
+                return U64(0), -1
             return v, pos
         shift += U64(7)
 
