@@ -11,12 +11,12 @@ back). The first size also checks that the device path's chunks are the CPU path
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from aurora.bench.codec import _best
 from aurora.bench.codec_scale import step_pair
 from aurora.codec import Transform, encode
 from aurora.codec.device import apply_on_device, encode_on_device, find_changes
@@ -35,14 +35,14 @@ class DeviceRow:
 
 
 def _timed(f: Callable[[], object], sync: Callable[[], None], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
+    """`_best` of ``f`` with the device's queued work finished before and inside each timing."""
+
+    def run() -> None:
         f()
         sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    sync()
+    return _best(run, reps)
 
 
 def device_row(n: int, device: str, *, density: float, threads: int, reps: int, check: bool) -> DeviceRow:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aurora.bench.codec import _best
 from aurora.codec import Weights, apply_in_place, encode
 
 TENSOR = 16 << 20
@@ -122,15 +123,6 @@ def _peak_added_mb(f: Callable[[], object]) -> float:
         done.set()
         t.join()
     return max(0, peak - before) / 1e6
-
-
-def _best(f: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def scale_row(n: int, density: float, threads: int, reps: int) -> ScaleRow:

@@ -13,7 +13,7 @@ the tensors exactly as they were and raises `DeltaFormatError`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,7 +128,7 @@ class DeltaReceiver:
         if not m.is_snapshot:  # the layout first: it is cheap, and says more than a count of chunks
             if base is None:
                 raise DeltaFormatError(f"delta v{m.base_version}->v{m.target_version} needs a base")
-            _check_base(m, base, base_checked)
+            check_base(m, base, base_checked)
         if not self.complete:
             raise DeltaFormatError(f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
                                    f"chunks missing, e.g. {self.missing(3)}")  # fmt: skip
@@ -145,10 +145,12 @@ class DeltaReceiver:
 def check_layout(m: Manifest, weights: Weights) -> None:
     """``weights`` has the manifest's tensors, dtypes and shapes; raises `DeltaFormatError` naming the first
     difference (before anything the manifest describes is allocated)."""
-    _check_base(m, weights, True)
+    check_base(m, weights, True)
 
 
-def _check_base(m: Manifest, base: Weights, base_checked: bool) -> None:
+def check_base(m: Manifest, base: Weights, base_checked: bool = False) -> None:
+    """``base`` has the manifest's layout and (unless ``base_checked``) its base digests; raises
+    `DeltaFormatError` naming the first difference."""
     names = [t.name for t in m.tensors]
     if list(base) != names:
         raise DeltaFormatError(f"base does not match delta v{m.base_version}->v{m.target_version}: tensor names differ")
@@ -181,21 +183,34 @@ def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
         idx, new = sparse_patch(c)
         return Patch(name, h.start, idx + h.start, new)
     assert base is not None
-    b = base.bits[h.start : h.stop]
+    first, ranks, vals = decode_ranks(c, name)
+    status, idx, new = kernels.locate(
+        base.bits[h.start : h.stop], d.exp_shift, d.exp_mask, first, ranks, vals, h.n_changed, d.width,
+        int(h.transform),
+    )  # fmt: skip
+    if status != 0:
+        raise DeltaFormatError(f"{_chunk_named(c, name)}: {_ERRORS[-status]}")
+    idx += h.start
+    return Patch(name, h.start, idx, new)
+
+
+def decode_ranks(c: Chunk, name: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A DELTA chunk's body as `kernels.decode_body`'s ``(first, ranks, vals)`` (what `kernels.locate`
+    turns into positions against the base); raises `DeltaFormatError` on a malformed body."""
+    h = c.header
+    d = h.dtype
     src = np.frombuffer(c.body, dtype=np.uint8)
     status, first, ranks, vals = kernels.decode_body(
         src, h.n_changed, h.stop - h.start, d.n_buckets, d.width, int(h.transform)
     )
-    if status == 0:
-        status, idx, new = kernels.locate(
-            b, d.exp_shift, d.exp_mask, first, ranks, vals, h.n_changed, d.width, int(h.transform)
-        )
     if status != 0:
-        raise DeltaFormatError(
-            f"chunk (tensor {h.tensor_index}, chunk {h.chunk_index}) of {name!r}: {_ERRORS[-status]}"
-        )
-    idx += h.start
-    return Patch(name, h.start, idx, new)
+        raise DeltaFormatError(f"{_chunk_named(c, name)}: {_ERRORS[-status]}")
+    return first, ranks, vals
+
+
+def _chunk_named(c: Chunk, name: str | None) -> str:
+    where = f"chunk (tensor {c.header.tensor_index}, chunk {c.header.chunk_index})"
+    return where if name is None else f"{where} of {name!r}"
 
 
 def sparse_patch(c: Chunk) -> tuple[np.ndarray, np.ndarray]:
@@ -245,13 +260,7 @@ class StagedDelta:
                     kernels.scatter(dst, p.idx, p.new, old)
                 undo.append((p, old))
             weights.forget_digests({p.name for p in self.patches})  # the others' bits did not change
-            digests = weights.tensor_digests()
-            bad = [t.name for t in m.tensors if digests[t.name] != t.target_digest]
-            if bad:
-                raise DeltaFormatError(
-                    f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors differ from the "
-                    f"target digests (first: {bad[0]!r}); the base was restored"
-                )
+            check_target(m, weights.tensor_digests())
             if check is not None:
                 check(weights)
         except BaseException:
@@ -264,6 +273,15 @@ class StagedDelta:
             weights.forget_digests({p.name for p in self.patches})
             raise
         return self.touched()
+
+
+def check_target(m: Manifest, digests: Mapping[str, bytes]) -> None:
+    """Every tensor named in ``digests`` has its target digest; else `DeltaFormatError` (raised inside a
+    commit, which then restores the base)."""
+    bad = [t.name for t in m.tensors if t.name in digests and digests[t.name] != t.target_digest]
+    if bad:
+        raise DeltaFormatError(f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors differ "
+                               f"from the target digests (first: {bad[0]!r}); the base was restored")  # fmt: skip
 
 
 def receive(manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> DeltaReceiver:

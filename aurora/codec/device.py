@@ -37,9 +37,18 @@ import numpy as np
 import torch
 
 from aurora.codec import kernels
-from aurora.codec.decoder import _ERRORS, DeltaReceiver, sparse_patch
+from aurora.codec.decoder import _ERRORS, DeltaReceiver, check_base, check_target, decode_ranks, sparse_patch
 from aurora.codec.dtypes import DType, dtype_of
-from aurora.codec.encoder import Changes, Coding, Delta, EncodeStats, format_for, iter_chunks, make_manifest
+from aurora.codec.encoder import (
+    Changes,
+    Coding,
+    Delta,
+    EncodeStats,
+    coding_of,
+    format_for,
+    iter_chunks,
+    make_manifest,
+)
 from aurora.codec.format import Chunk, ChunkKind, Manifest, Transform, chunk_count, span_elements
 from aurora.codec.parallel import ordered_map
 from aurora.codec.weights import Weights
@@ -57,6 +66,11 @@ def signed_view(t: torch.Tensor) -> torch.Tensor:
     sign bit of a float."""
     flat = t.detach().reshape(-1)
     return flat.view(_SIGNED[flat.element_size()])
+
+
+def _np_signed(d: DType) -> np.dtype[np.signedinteger]:  # type: ignore[type-arg]
+    """The numpy dtype of `signed_view`'s elements for ``d``."""
+    return np.dtype(f"i{d.itemsize}")
 
 
 def _host_uint(t: torch.Tensor, d: DType) -> np.ndarray:
@@ -178,12 +192,7 @@ def encode_on_device(
     host_b, host_t = host_weights(base), host_weights(target)
     m = make_manifest(host_b, host_t, base_version, target_version, transform, format=format_for(coding))
     stats = EncodeStats()
-
-    def sparse(name: str) -> bool:
-        c = coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
-        return c is Coding.SPARSE
-
-    find = _DeviceFinder(m, base, target, window, sparse)
+    find = _DeviceFinder(m, base, target, window, lambda name: coding_of(coding, name) is Coding.SPARSE)
     return Delta(m, tuple(iter_chunks(m, host_b, host_t, stats, threads=threads, find=find, coding=coding)), stats)
 
 
@@ -228,19 +237,8 @@ def locate(
     v = np.concatenate(vals)[perm.cpu().numpy()]
     wmask = np.uint64((1 << d.width) - 1)
     new = ((old + v) & wmask) if transform is Transform.SUB else (old ^ v)
-    new_t = torch.from_numpy(new.astype(d.uint).view(np.dtype(f"i{d.itemsize}"))).to(dev)
+    new_t = torch.from_numpy(new.astype(d.uint).view(_np_signed(d))).to(dev)
     return idx + lo, new_t
-
-
-def _decode(c: Chunk) -> tuple[np.ndarray, ...]:
-    h = c.header
-    d = h.dtype
-    src = np.frombuffer(c.body, dtype=np.uint8)
-    status, first, ranks, vals = kernels.decode_body(src, h.n_changed, h.stop - h.start, d.n_buckets, d.width,
-                                                     int(h.transform))  # fmt: skip
-    if status != 0:
-        raise DeltaFormatError(f"chunk (tensor {h.tensor_index}, chunk {h.chunk_index}): {_ERRORS[-status]}")
-    return first, ranks, vals
 
 
 def check_tensors(m: Manifest, params: Mapping[str, torch.Tensor]) -> None:
@@ -269,7 +267,7 @@ def _staged(m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], 
             continue
         d, dev = entry.dtype, params[entry.name].device
         got = [rx.chunk(ti, ci) for ci in range(entry.n_chunks)]
-        signed = np.dtype(f"i{d.itemsize}")
+        signed = _np_signed(d)
         for c in got:
             if c.header.kind is ChunkKind.RAW:
                 raw = np.frombuffer(c.body, dtype=d.uint).view(signed).copy()
@@ -284,7 +282,7 @@ def _staged(m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], 
                 )
         coded = [c for c in got if c.header.kind is ChunkKind.DELTA and c.header.n_changed]
         per = max(1, window // span_elements(d))
-        decoded = zip(coded, ordered_map(_decode, coded, threads), strict=True)
+        decoded = zip(coded, ordered_map(decode_ranks, coded, threads), strict=True)
         for _, group in groupby(decoded, key=lambda cd: cd[0].header.chunk_index // per):
             idx, new_t = locate(
                 params[entry.name], d, m.transform, [(c.header.chunk_index, c, dec) for c, dec in group]
@@ -311,11 +309,7 @@ def apply_on_device(
     if not rx.complete:
         raise DeltaFormatError(f"delta is incomplete: {len(rx.missing())} of {rx.expected} chunks missing")
     if not base_checked and not m.is_snapshot:
-        digests = host_weights(params).tensor_digests()
-        bad = [t.name for t in m.tensors if digests[t.name] != t.base_digest]
-        if bad:
-            raise DeltaFormatError(f"wrong base for delta v{m.base_version}->v{m.target_version}: "
-                                   f"tensor {bad[0]!r} differs from its base")  # fmt: skip
+        check_base(m, host_weights(params))
     staged = list(_staged(m, rx, params, threads, window))  # every check that reads the base, before a write
     flat = {n: signed_view(t) for n, t in params.items()}
     carried = {t.name for t in m.tensors if m.carries(t)}
@@ -326,11 +320,7 @@ def apply_on_device(
             where = idx if idx is not None else slice(start, start + new.shape[0])
             undo.append((name, start, idx, dst[where].to("cpu", copy=True)))
             dst[where] = new.to(dst.device)
-        digests = host_weights({n: params[n] for n in carried}).tensor_digests()
-        bad = [t.name for t in m.tensors if t.name in carried and digests[t.name] != t.target_digest]
-        if bad:
-            raise DeltaFormatError(f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors "
-                                   f"differ from the target digests (first: {bad[0]!r}); the base was restored")  # fmt: skip
+        check_target(m, host_weights({n: params[n] for n in carried}).tensor_digests())
     except BaseException:
         for name, start, idx, old in reversed(undo):
             dst = flat[name]

@@ -185,9 +185,8 @@ def iter_chunks(
     only in a manifest of format 3 (`format_for`).
     """
 
-    def coding_of(name: str) -> Coding:
-        c = coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
-        return c if manifest.format >= FORMAT_VERSION else Coding.CONDITIONED
+    def coding_here(name: str) -> Coding:
+        return coding_of(coding, name) if manifest.format >= FORMAT_VERSION else Coding.CONDITIONED
 
     def jobs() -> Iterator[tuple[int, int]]:
         for ti, entry in enumerate(manifest.tensors):
@@ -206,7 +205,7 @@ def iter_chunks(
         start, stop = chunk_range(entry.numel, entry.dtype, ci)
         found = find(ti, ci) if find is not None and src is not None else None
         kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform, found,
-                                    coding_of(entry.name))  # fmt: skip
+                                    coding_here(entry.name))  # fmt: skip
         tr = manifest.transform if kind is ChunkKind.DELTA else Transform.NONE
         h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
         return ti, ci, kind, n, pack_chunk(h, body)
@@ -240,6 +239,11 @@ def encode_stream(
     """Manifest now, chunks lazily. ``base=None`` makes a snapshot."""
     m = make_manifest(base, target, base_version, target_version, transform, format=format_for(coding))
     return m, iter_chunks(m, base, target, stats, threads=threads, coding=coding)
+
+
+def coding_of(coding: Coding | Mapping[str, Coding], name: str) -> Coding:
+    """Tensor ``name``'s coding: ``coding`` itself, or its entry for the name (CONDITIONED when absent)."""
+    return coding if isinstance(coding, Coding) else coding.get(name, Coding.CONDITIONED)
 
 
 def format_for(coding: Coding | Mapping[str, Coding]) -> int:
