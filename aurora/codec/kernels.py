@@ -67,13 +67,20 @@ MAX_RICE_K = 62
 
 
 # --------------------------------------------------------------------------- range coder
-# The coder state travels as scalars returned from inlined functions so that
-# LLVM keeps it in registers (an array-held state measured ~10x slower).
+# The coder state travels as scalars through small helpers that take no arrays: numba's own
+# inlining of a helper that takes an array adds reference counting at every call (measured 11x
+# slower per bit in /tmp micro-benchmarks), and a helper LLVM declines to inline is a costly call.
+# So a bit is coded by an array-free inlined helper, without a branch on the bit (masks and a
+# select: a random sign bit cost a misprediction each); the caller stores the new probability and
+# renormalises, which takes at most one byte shift per bit (probabilities stay in [31, 2017], so a
+# coded bit leaves the range >= 2**17; up to 8 direct bits leave it >= 2**16).
 # Encoder state: (low, rng, cache, csize, pos); decoder state: (code, rng, pos).
 
 
-@njit(cache=True)  # a call, not inlined at every bit: ~10 % faster encodes (smaller loops)
+@njit(cache=True)
 def _shift_low(low, rng, cache, csize, pos, out):  # type: ignore[no-untyped-def]
+    """Renormalise by one byte: the top byte of ``low`` goes out (LZMA's ShiftLow, carries through
+    cache/cache_size) and ``rng`` grows by 8 bits. Not inlined: it runs about once per output byte."""
     if (low & _M32) < _HI or (low >> U64(32)) != U64(0):
         carry = low >> U64(32)
         temp = cache
@@ -89,86 +96,52 @@ def _shift_low(low, rng, cache, csize, pos, out):  # type: ignore[no-untyped-def
         cache = (low >> U64(24)) & _FF
     csize += U64(1)
     low = (low & _M24) << U64(8)
-    return low, rng, cache, csize, pos
+    return low, rng << U64(8), cache, csize, pos
 
 
 @njit(inline="always", cache=True)
-def _enc_bit(low, rng, cache, csize, pos, out, probs, i, bit):  # type: ignore[no-untyped-def]
-    p = probs[i]
+def _ebit(low, rng, p, bit):  # type: ignore[no-untyped-def]
+    """Code ``bit`` with probability ``p``/2048 of a zero: the new (low, rng, p), not yet renormalised."""
     bound = (rng >> _PROB_BITS) * U64(p)
-    if bit == 0:
-        rng = bound
-        probs[i] = p + ((_PROB_ONE - p) >> _MOVE)
-    else:
-        low += bound
-        rng = rng - bound
-        probs[i] = p - (p >> _MOVE)
-    while rng < _TOP:
-        rng = rng << U64(8)
-        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
-    return low, rng, cache, csize, pos
+    m = U64(0) - U64(bit)
+    p0 = p + ((_PROB_ONE - p) >> _MOVE)
+    p1 = p - (p >> _MOVE)
+    return low + (bound & m), bound + ((rng - bound - bound) & m), p1 if bit else p0
 
 
 @njit(inline="always", cache=True)
-def _enc_direct(low, rng, cache, csize, pos, out, value, nbits):  # type: ignore[no-untyped-def]
-    # Up to 8 equiprobable bits per step: rng stays >= 2**16 before renormalising.
-    j = nbits
-    while j > 0:
-        take = min(j, 8)
-        j -= take
-        rng = rng >> U64(take)
-        low += rng * ((value >> U64(j)) & U64((1 << take) - 1))
-        while rng < _TOP:
-            rng = rng << U64(8)
-            low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
-    return low, rng, cache, csize, pos
+def _edirect(low, rng, value, take):  # type: ignore[no-untyped-def]
+    """Code the low ``take`` (<= 8) bits of ``value`` as equiprobable bits: the new (low, rng)."""
+    rng = rng >> U64(take)
+    return low + rng * (value & U64((1 << take) - 1)), rng
 
 
 @njit(inline="always", cache=True)
-def _dec_byte(pos, src, end):  # type: ignore[no-untyped-def]
-    if pos < end:
-        return U64(src[pos])
-    return U64(0)
-
-
-@njit(inline="always", cache=True)
-def _dec_bit(code, rng, pos, src, end, probs, i):  # type: ignore[no-untyped-def]
-    p = probs[i]
+def _dbit(code, rng, p):  # type: ignore[no-untyped-def]
+    """Decode one bit with probability ``p``/2048 of a zero: (code, rng, p, bit), not yet renormalised."""
     bound = (rng >> _PROB_BITS) * U64(p)
-    if code < bound:
-        rng = bound
-        probs[i] = p + ((_PROB_ONE - p) >> _MOVE)
-        bit = 0
-    else:
-        code -= bound
-        rng = rng - bound
-        probs[i] = p - (p >> _MOVE)
-        bit = 1
-    while rng < _TOP:
-        rng = rng << U64(8)
-        code = ((code << U64(8)) | _dec_byte(pos, src, end)) & _M32
-        pos += 1
-    return code, rng, pos, bit
+    bit = 0 if code < bound else 1
+    m = U64(0) - U64(bit)
+    p0 = p + ((_PROB_ONE - p) >> _MOVE)
+    p1 = p - (p >> _MOVE)
+    return code - (bound & m), bound + ((rng - bound - bound) & m), p1 if bit else p0, bit
 
 
 @njit(inline="always", cache=True)
-def _dec_direct(code, rng, pos, src, end, nbits):  # type: ignore[no-untyped-def]
-    v = U64(0)
-    j = nbits
-    while j > 0:
-        take = min(j, 8)
-        j -= take
-        rng = rng >> U64(take)
-        d = code // rng
-        if d > U64((1 << take) - 1):  # only a corrupt stream gets here
-            d = U64((1 << take) - 1)
-        code -= d * rng
-        v = (v << U64(take)) | d
-        while rng < _TOP:
-            rng = rng << U64(8)
-            code = ((code << U64(8)) | _dec_byte(pos, src, end)) & _M32
-            pos += 1
-    return code, rng, pos, v
+def _dnext(code, rng, pos, byte):  # type: ignore[no-untyped-def]
+    """Shift the next body byte into ``code``."""
+    return ((code << U64(8)) | U64(byte)) & _M32, rng << U64(8), pos + 1
+
+
+@njit(inline="always", cache=True)
+def _ddirect(code, rng, take):  # type: ignore[no-untyped-def]
+    """Decode ``take`` (<= 8) equiprobable bits: (code, rng, value)."""
+    rng = rng >> U64(take)
+    d = code // rng
+    top = U64((1 << take) - 1)
+    if d > top:  # only a corrupt stream gets here
+        d = top
+    return code - d * rng, rng, d
 
 
 # --------------------------------------------------------------------------- varints
@@ -215,15 +188,6 @@ def _bitlen(v: np.uint64) -> int:
 
 
 # --------------------------------------------------------------------------- scan
-@njit(inline="always", cache=True)
-def _rank(counts, b, sh, mk):  # type: ignore[no-untyped-def]
-    """Bucket of base bits ``b`` and its rank there; the encoder and decoder share it."""
-    e = (U64(b) >> sh) & mk
-    r = counts[e]
-    counts[e] = r + 1
-    return e, r
-
-
 @njit(cache=True, nogil=True)
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:
     out = np.empty(cap, a.dtype)
@@ -233,24 +197,26 @@ def _grow(a: np.ndarray, cap: int) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _scan(base, target, sh, mk, wmask, transform, counts, i, k, idx, rank, buck, step):  # type: ignore[no-untyped-def]
-    """`find_changes` from element ``i`` with ``k`` changes found: stops at the end, or before a
-    change that does not fit the arrays; returns where it stopped and the changes found."""
+    """`find_changes` from element ``i`` with ``k`` changes found: stops at the end, or at a change
+    that does not fit the arrays (its count not taken); returns where it stopped and the changes
+    found. One count per element, read and written: the loop's whole cost at low densities."""
     n = base.shape[0]
     cap = idx.shape[0]
     while i < n:
         b = base[i]
         t = target[i]
+        e = np.int64((U64(b) >> sh) & mk)
+        r = counts[e]
+        counts[e] = r + 1
         if b != t:
             if k == cap:
+                counts[e] = r
                 return i, k
-            e, r = _rank(counts, b, sh, mk)
             idx[k] = i
             rank[k] = r
-            buck[k] = np.int64(e)
+            buck[k] = e
             step[k] = ((U64(t) - U64(b)) & wmask) if transform == 2 else (U64(t) ^ U64(b))
             k += 1
-        else:
-            _rank(counts, b, sh, mk)
         i += 1
     return i, k
 
@@ -356,7 +322,8 @@ def encode_body(
         pos += 1
     if pos > out.shape[0]:
         return -ERR_OVERFLOW
-    # Range-coded stream: per bucket, each element's gap then its value.
+    # Range-coded stream: per bucket, each element's gap then its value. After each coded bit,
+    # `if rng < _TOP` renormalises (one byte out: see the range coder's note).
     low, rng, cache, csize = U64(0), _M32, U64(0), U64(1)
     probs = np.full(N_CTX, _PROB_INIT, np.int64)
     cap = out.shape[0]
@@ -367,51 +334,72 @@ def encode_body(
             continue
         is_all = sranks[hi - 1] == hi - lo - 1
         k = ks[e]
+        kk = U64(k)
         prev = -1
         for j in range(lo, hi):
             r = sranks[j]
             if not is_all:
                 g = U64(r - prev - 1)
-                q = g >> U64(k)
+                q = g >> kk
                 t = 0
-                while U64(t) < q:
-                    low, rng, cache, csize, pos = _enc_bit(
-                        low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 1
-                    )
+                while True:  # q ones, then a zero
+                    c = CTX_Q + min(t, N_QCTX - 1)
+                    one = U64(t) < q
+                    low, rng, probs[c] = _ebit(low, rng, probs[c], 1 if one else 0)
+                    if rng < _TOP:
+                        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+                    if not one:
+                        break
                     t += 1
-                low, rng, cache, csize, pos = _enc_bit(
-                    low, rng, cache, csize, pos, out, probs, CTX_Q + min(t, N_QCTX - 1), 0
-                )
-                rem = g & ((U64(1) << U64(k)) - U64(1))
+                if k >= 1:
+                    b1 = int((g >> (kk - U64(1))) & U64(1))
+                    low, rng, probs[CTX_R + 1] = _ebit(low, rng, probs[CTX_R + 1], b1)
+                    if rng < _TOP:
+                        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
                 if k >= 2:
-                    b1 = int((rem >> U64(k - 1)) & U64(1))
-                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_R + 1, b1)
-                    b2 = int((rem >> U64(k - 2)) & U64(1))
-                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_R + 2 + b1, b2)
-                    low, rng, cache, csize, pos = _enc_direct(low, rng, cache, csize, pos, out, rem, k - 2)
-                elif k == 1:
-                    low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_R + 1, int(rem))
+                    b2 = int((g >> (kk - U64(2))) & U64(1))
+                    c = CTX_R + 2 + b1
+                    low, rng, probs[c] = _ebit(low, rng, probs[c], b2)
+                    if rng < _TOP:
+                        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+                    left = k - 2
+                    while left > 0:
+                        take = min(left, 8)
+                        left -= take
+                        low, rng = _edirect(low, rng, g >> U64(left), take)
+                        if rng < _TOP:
+                            low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
             prev = r
             d = step[order[j]]
             if transform == 2:
                 neg = (d >> signbit) & U64(1)
                 mag = ((U64(0) - d) & wmask) if neg else d
-                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_SIGN, int(neg))
+                low, rng, probs[CTX_SIGN] = _ebit(low, rng, probs[CTX_SIGN], int(neg))
+                if rng < _TOP:
+                    low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
             else:
                 mag = d
             L = _bitlen(mag) - 1
-            for t in range(L):
-                low, rng, cache, csize, pos = _enc_bit(
-                    low, rng, cache, csize, pos, out, probs, CTX_L + min(t, N_LCTX - 1), 1
-                )
-            if width - 1 > L:
-                low, rng, cache, csize, pos = _enc_bit(
-                    low, rng, cache, csize, pos, out, probs, CTX_L + min(L, N_LCTX - 1), 0
-                )
+            t = 0
+            while t < L or (t == L and width - 1 > L):  # L ones, then a zero unless L is the widest
+                c = CTX_L + min(t, N_LCTX - 1)
+                one = t < L
+                low, rng, probs[c] = _ebit(low, rng, probs[c], 1 if one else 0)
+                if rng < _TOP:
+                    low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+                t += 1
             if L >= 1:
                 mb = int((mag >> U64(L - 1)) & U64(1))
-                low, rng, cache, csize, pos = _enc_bit(low, rng, cache, csize, pos, out, probs, CTX_M + L, mb)
-                low, rng, cache, csize, pos = _enc_direct(low, rng, cache, csize, pos, out, mag, L - 1)
+                low, rng, probs[CTX_M + L] = _ebit(low, rng, probs[CTX_M + L], mb)
+                if rng < _TOP:
+                    low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
+                left = L - 1
+                while left > 0:
+                    take = min(left, 8)
+                    left -= take
+                    low, rng = _edirect(low, rng, mag >> U64(left), take)
+                    if rng < _TOP:
+                        low, rng, cache, csize, pos = _shift_low(low, rng, cache, csize, pos, out)
         if pos > cap:
             return -ERR_OVERFLOW
     for _ in range(5):
@@ -475,8 +463,7 @@ def decode_body(
     vals = np.zeros(n_changed + nb + 1, np.uint64)
     code, rng = U64(0), _M32
     for _ in range(5):
-        code = ((code << U64(8)) | _dec_byte(pos, src, end)) & _M32
-        pos += 1
+        code, _unused, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
     probs = np.full(N_CTX, _PROB_INIT, np.int64)
     wmask = _ALL64 >> U64(64 - width)
     half = U64(1) << U64(width - 1)
@@ -494,39 +481,67 @@ def decode_body(
             else:
                 q = 0
                 while True:
-                    code, rng, pos, bit = _dec_bit(code, rng, pos, src, end, probs, CTX_Q + min(q, N_QCTX - 1))
+                    c = CTX_Q + min(q, N_QCTX - 1)
+                    code, rng, probs[c], bit = _dbit(code, rng, probs[c])
+                    if rng < _TOP:
+                        code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
                     if bit == 0:
                         break
                     q += 1
                     if q > n_elems or pos > limit:
                         return -ERR_RANGE, first, ranks, vals
                 rem = U64(0)
-                if k >= 2:
-                    code, rng, pos, b1 = _dec_bit(code, rng, pos, src, end, probs, CTX_R + 1)
-                    code, rng, pos, b2 = _dec_bit(code, rng, pos, src, end, probs, CTX_R + 2 + b1)
-                    code, rng, pos, low_bits = _dec_direct(code, rng, pos, src, end, k - 2)
-                    rem = (U64(b1) << U64(k - 1)) | (U64(b2) << U64(k - 2)) | low_bits
-                elif k == 1:
-                    code, rng, pos, b1 = _dec_bit(code, rng, pos, src, end, probs, CTX_R + 1)
+                if k >= 1:
+                    code, rng, probs[CTX_R + 1], b1 = _dbit(code, rng, probs[CTX_R + 1])
+                    if rng < _TOP:
+                        code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
                     rem = U64(b1)
+                if k >= 2:
+                    c = CTX_R + 2 + b1
+                    code, rng, probs[c], b2 = _dbit(code, rng, probs[c])
+                    if rng < _TOP:
+                        code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
+                    rem = (rem << U64(1)) | U64(b2)
+                    left = k - 2
+                    while left > 0:
+                        take = min(left, 8)
+                        left -= take
+                        code, rng, d = _ddirect(code, rng, take)
+                        if rng < _TOP:
+                            code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
+                        rem = (rem << U64(take)) | d
                 r = prev + 1 + ((q << k) | np.int64(rem))
             if r >= n_elems or r < 0:
                 return -ERR_RANGE, first, ranks, vals
             prev = r
             neg = 0
             if transform == 2:
-                code, rng, pos, neg = _dec_bit(code, rng, pos, src, end, probs, CTX_SIGN)
+                code, rng, probs[CTX_SIGN], neg = _dbit(code, rng, probs[CTX_SIGN])
+                if rng < _TOP:
+                    code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
             L = 0
             while width - 1 > L:
-                code, rng, pos, bit = _dec_bit(code, rng, pos, src, end, probs, CTX_L + min(L, N_LCTX - 1))
+                c = CTX_L + min(L, N_LCTX - 1)
+                code, rng, probs[c], bit = _dbit(code, rng, probs[c])
+                if rng < _TOP:
+                    code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
                 if bit == 0:
                     break
                 L += 1
             mag = U64(1)
             if L >= 1:
-                code, rng, pos, mb = _dec_bit(code, rng, pos, src, end, probs, CTX_M + L)
-                code, rng, pos, rest = _dec_direct(code, rng, pos, src, end, L - 1)
-                mag = (U64(1) << U64(L)) | (U64(mb) << U64(L - 1)) | rest
+                code, rng, probs[CTX_M + L], mb = _dbit(code, rng, probs[CTX_M + L])
+                if rng < _TOP:
+                    code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
+                mag = (mag << U64(1)) | U64(mb)
+                left = L - 1
+                while left > 0:
+                    take = min(left, 8)
+                    left -= take
+                    code, rng, d = _ddirect(code, rng, take)
+                    if rng < _TOP:
+                        code, rng, pos = _dnext(code, rng, pos, src[pos] if pos < end else 0)
+                    mag = (mag << U64(take)) | d
             if pos > limit:
                 return -ERR_TRUNCATED, first, ranks, vals
             if transform == 2:
@@ -561,6 +576,9 @@ def locate(
 
     Returns ``(status, idx, new_bits)``; status ``-ERR_LEFTOVER`` means some
     decoded rank lies beyond its bucket in this base (wrong base or corrupt body).
+    Each bucket keeps a down-count of its elements still to pass before its next
+    decoded rank (``n``, which no count reaches, once its run is done): one table
+    read and written per element, as `find_changes` does.
     """
     n = base.shape[0]
     sh = U64(shift)
@@ -568,27 +586,33 @@ def locate(
     wmask = _ALL64 >> U64(64 - width)
     nb = mask + 1
     ptr = np.empty(nb, np.int64)
-    # Absent buckets point at a shared sentinel slot (a -1 rank that never matches).
+    left = np.empty(nb, np.int64)
+    # Absent buckets point at a shared sentinel slot (a -1 rank: nothing to find).
     sentinel = ranks.shape[0] - 1
     for e in range(nb):
-        ptr[e] = first[e] if first[e] >= 0 else sentinel
-    counts = np.zeros(nb, np.int64)
+        p = first[e] if first[e] >= 0 else sentinel
+        ptr[e] = p
+        left[e] = ranks[p] if ranks[p] >= 0 else n
     idx = np.empty(n_changed, np.int64)
     new = np.empty(n_changed, base.dtype)
     k = 0
     for i in range(n):
         b = base[i]
-        e, r = _rank(counts, b, sh, mk)
-        p = ptr[e]
-        if ranks[p] == r:
-            ptr[e] = p + 1
+        e = np.int64((U64(b) >> sh) & mk)
+        rest = left[e]
+        if rest == 0:
+            p = ptr[e]
             if k >= n_changed:
                 return -ERR_RANGE, idx, new
             v = vals[p]
-            nv = U64(b) + v & wmask if transform == 2 else U64(b) ^ v
             idx[k] = i
-            new[k] = nv
+            new[k] = (U64(b) + v & wmask) if transform == 2 else (U64(b) ^ v)
             k += 1
+            ptr[e] = p + 1
+            nxt = ranks[p + 1]  # decode_body's runs are strictly increasing, closed by a -1
+            left[e] = nxt - ranks[p] - 1 if nxt >= 0 else n
+        else:
+            left[e] = rest - 1
     if k != n_changed:
         return -ERR_LEFTOVER, idx, new
     return 0, idx, new
