@@ -32,7 +32,9 @@ nothing, the sealed layout) before anything is allocated; a chunk or seal that
 fails raises `DeltaFormatError` / `AuthError` and changes nothing. The weights
 change only under `weights_lock`, so a reader holding it (a rollout engine
 copying them) sees one whole version. With a store, `publish` stores the version
-before its seal leaves, so no child can commit a version the trainer has not stored.
+before its seal leaves, so no child can commit a version the trainer has not stored;
+an anchor due is written after, in a task of the owner's task group (`start_in`), never
+a loose one.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
 from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError, TransportClosed
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
+from aurora.runtime.groups import cancel_and_wait, wait_first
 from aurora.store import DeltaStore
 from aurora.store.store import anchor_image
 
@@ -158,8 +161,10 @@ class VersionFlow:
         self._served: OrderedDict[tuple[int | None, int], tuple[bytes, tuple[bytes, ...]]] = OrderedDict()
         """The last composed deltas and snapshots made for catch-ups: (from, to) -> (manifest, chunks)."""
         self._run_id: bytes | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        """The owner of the anchor writes (`start_in`): the node's task group."""
         self._anchoring: asyncio.Task[None] | None = None
-        """The anchor being written for the version stored last (`_promote`)."""
+        """The anchor being written for the version stored last (`_promote`), a task of `_tg`."""
         self.weights_lock = asyncio.Lock()
         self.committed = asyncio.Event()
         """Set at every commit (a waiter clears it first): a rollout's worker wakes on a new version."""
@@ -169,6 +174,12 @@ class VersionFlow:
         """The trainer: bytes and density of the last version it published, and what sealing cost."""
         self.last_verify_s = 0.0
         """A relay or rollout: seconds its last commit spent verifying the seal (hash and signature)."""
+
+    def start_in(self, tg: asyncio.TaskGroup) -> None:
+        """Write anchors in ``tg`` (the node's task group, their owner): an anchor write that fails
+        other than with a store error is the node's crash, and ``tg`` awaits the one in flight when it
+        closes. A flow with a store must be started before it stores a version."""
+        self._tg = tg
 
     # -- children
     def add_child(self, ch: Channel, version: int | None) -> None:
@@ -194,12 +205,7 @@ class VersionFlow:
         while box is not None and self.outboxes.get(ch.peer) is box and not ch.closed:
             if not box.queue:
                 box.wake.clear()
-                woken, closed = asyncio.ensure_future(box.wake.wait()), asyncio.ensure_future(ch.wait_closed())
-                try:
-                    await asyncio.wait({woken, closed}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    woken.cancel()
-                    closed.cancel()
+                await wait_first(box.wake.wait(), ch.wait_closed())
                 continue
             cmd = box.queue.popleft()
             try:
@@ -251,7 +257,7 @@ class VersionFlow:
             wait_s = time.monotonic() - t
         finally:
             if hashing is not None and not hashing.done():
-                hashing.cancel()
+                await cancel_and_wait(hashing)  # the thread runs on, unheard
             if isinstance(chunks, Generator):
                 chunks.close()  # a cancelled publish leaves no chunk jobs running
         t = time.monotonic()
@@ -531,10 +537,12 @@ class VersionFlow:
         version's path (`_promote`), and finished before the store is written again. ``in_place``:
         ``weights`` are the node's own, which its next commit changes in place (a relay, a rollout);
         False: they never change (the trainer's published versions)."""
+        if self._tg is None:
+            raise ProtocolError(f"{self.name}: a flow with a store stores only once started (start_in)", remote=False)
         if self._anchoring is not None:
             await self._anchoring
         if await asyncio.to_thread(self._keep, m, chunks, weights, seal, prune=prune):
-            self._anchoring = asyncio.create_task(self._promote(m.target_version, weights, seal, in_place))
+            self._anchoring = self._tg.create_task(self._promote(m.target_version, weights, seal, in_place))
 
     async def _promote(self, v: int, weights: Weights, seal: SealWire | None, in_place: bool) -> None:
         """Make stored version ``v`` an anchor. Weights that change in place have their image taken

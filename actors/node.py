@@ -110,7 +110,7 @@ from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import Learner, make_learner
 from aurora.rl.tasks import make_task
-from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor, unwrap_group
+from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor, cancel_and_wait, unwrap_group
 from aurora.store import DeltaStore
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
@@ -184,7 +184,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     specs = _actor_specs(node, zt, tree, cfg.lost_after_s)
     sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2)
     node.sup = sup
-    try:
+    with unwrap_group():  # one error (a crash loop, a bind failure): raised as itself
         async with asyncio.TaskGroup() as tg:
             if spec.listen is not None:
                 await zt.listen_in(tg)
@@ -192,6 +192,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                 zt.start_in(tg)
             if node.rtc is not None:
                 node.rtc.start_in(tg)
+            node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
             sup_task = await sup.start_in(tg)
             log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs],
                      codec_threads=node.threads,
@@ -200,17 +201,13 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
             try:
                 await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                stopping.cancel()
+                await cancel_and_wait(stopping)
             log.info("node_stopping")
             sup.stop()
             try:
                 await sup_task  # raises RestartIntensityExceeded if that is why it ended
             finally:
                 await zt.close()
-    except BaseExceptionGroup as eg:  # one error (a crash loop, a bind failure): raise it as itself
-        if len(eg.exceptions) == 1 and isinstance(eg.exceptions[0], Exception):
-            raise eg.exceptions[0] from None
-        raise
 
 
 def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float) -> list[ChildSpec]:
@@ -694,19 +691,32 @@ async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_
 async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: float) -> bool | str:
     """Dial ``parent`` and follow its stream until it is unreachable, refuses, is lost or fails;
     logs which. Returns whether it attached (``"return"``: it left a fallback for the planned parent)."""
-    flow, place = node.flow, node.place
     addr = node.topo.node(parent).listen
     assert addr is not None  # checked when the topology was loaded
-    signalling: asyncio.Future[None] | None = None
+    with unwrap_group():
+        async with asyncio.TaskGroup() as tg:  # owns the WebRTC signalling loop while with this parent
+            signalling: asyncio.Task[None] | None = None
+            try:
+                if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
+                    ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr, tg)
+                else:
+                    ch = await zt.connect(parent, addr)
+            except TransportClosed as e:
+                log.warning("parent_unreachable", parent=parent, reason=str(e))
+                return False
+            try:
+                return await _follow(node, zt, ch, parent, lost_after_s)
+            finally:
+                if signalling is not None:
+                    signalling.cancel()  # then awaited by the task group
+                    with contextlib.suppress(TransportClosed):
+                        await ch.close("leaving this parent")
+
+
+async def _follow(node: Node, zt: NodeTransport, ch: Channel, parent: str, lost_after_s: float) -> bool | str:
+    """Say hello on ``ch`` and follow the parent's stream (`_stay_with`'s part once dialled)."""
+    flow, place = node.flow, node.place
     attached = False
-    try:
-        if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
-            ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr)
-        else:
-            ch = await zt.connect(parent, addr)
-    except TransportClosed as e:
-        log.warning("parent_unreachable", parent=parent, reason=str(e))
-        return False
     try:
         async with asyncio.timeout(lost_after_s):
             await ch.send(Hello(v=flow.version))  # waits until the parent is heard
@@ -737,10 +747,6 @@ async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: f
         return _FAILED
     finally:
         place.parent = None
-        if signalling is not None:
-            signalling.cancel()
-            with contextlib.suppress(TransportClosed):
-                await ch.close("leaving this parent")
     return attached
 
 
@@ -813,13 +819,13 @@ def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
     return WebRtcTransport(name, cfg, accepting=spec.listen is not None)
 
 
-async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str,
-                       addr: str) -> tuple[Channel, asyncio.Future[None]]:  # fmt: skip
+async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str, addr: str,
+                       tg: asyncio.TaskGroup) -> tuple[Channel, asyncio.Task[None]]:  # fmt: skip
     """A WebRTC channel to ``parent``, signalled over a ZeroMQ channel to the parent (the rendezvous).
-    Returns the channel and the signalling loop (cancel it on leaving the parent)."""
+    Returns the channel and the signalling loop, a task of ``tg`` (cancel it on leaving the parent)."""
     sig = await zt.connect(parent, addr)
     await sig.send(SignalHello())
-    loop = asyncio.ensure_future(rtc.serve_signalling(sig, stamp=True))
+    loop = tg.create_task(rtc.serve_signalling(sig, stamp=True))
     try:
         ch = await rtc.connect_via(parent, sig)
     except BaseException:

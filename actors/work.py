@@ -51,7 +51,7 @@ from aurora.protocol.messages import (
 from aurora.protocol.workpool import Accepted, SampleIn, WorkPool
 from aurora.rl.engines import Engine, WeightUpdate
 from aurora.rl.types import Completion, Prompt
-from aurora.runtime import Actor, unwrap_group
+from aurora.runtime import Actor, unwrap_group, wait_first
 
 log = structlog.get_logger("aurora.actors.work")
 
@@ -262,13 +262,8 @@ class Worker(Actor):
             want = Want(w=self.name, n=max(1, min(256, self.leases.prompts_per_lease)), v=self.engine.version)
             if await self.up(want, ()):
                 # a grant, or a new version (switch, then ask again with it: work may wait for it)
-                waits = [asyncio.ensure_future(e.wait()) for e in (self.granted, self.flow.committed)]
-                try:
-                    await asyncio.wait(waits, timeout=max(1.0, self.leases.ttl_s / 4),
-                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                finally:
-                    for f in waits:
-                        f.cancel()
+                await wait_first(self.granted.wait(), self.flow.committed.wait(),
+                                 timeout_s=max(1.0, self.leases.ttl_s / 4))  # fmt: skip
             else:
                 await asyncio.sleep(0.1)  # not attached: wait for the uplink
             return

@@ -151,7 +151,9 @@ async def test_anchors_are_written_after_the_version_leaves_and_every_stored_ver
     trainer = VersionFlow("trainer", w0.copy(), 0, store=ts)
     child = VersionFlow("rollout", None, None, store=rs)
     versions = {0: w0}
-    async with asyncio.TaskGroup() as tg:
+    async with asyncio.TaskGroup() as tg:  # owns the anchor writes: awaited when it closes
+        trainer.start_in(tg)
+        child.start_in(tg)
         tree = Tree(tg)
         await tree.attach(trainer, child)
         await _until(lambda: child.version == 0)
@@ -159,9 +161,6 @@ async def test_anchors_are_written_after_the_version_leaves_and_every_stored_ver
             versions[step] = perturb(versions[step - 1], 0.02, seed=step)
             await trainer.publish(versions[step].copy())
             await _until(lambda step=step: child.version == step)
-        for flow in (trainer, child):
-            if flow._anchoring is not None:
-                await flow._anchoring
         await tree.close()
     for store in (ts, rs):
         kinds = {v: store.info(v).kind for v in store.versions()}
@@ -195,3 +194,39 @@ async def test_versions_coded_sparse_or_by_link_reach_every_node_bit_exact(mode:
         if mode == "auto":
             assert any(e["event"] == "coding_chosen" for e in logs)
         await tree.close()
+
+
+async def test_an_anchor_write_is_owned_by_the_flows_task_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store error writing an anchor is logged (the version stays a delta); any other error is the
+    owner's crash, raised by its task group; a flow with a store that was never started refuses to store."""
+    from aurora.errors import ProtocolError, StoreError
+    from aurora.store import DeltaStore
+
+    w0 = _model(3)
+    store = DeltaStore(tmp_path / "t", anchor_every=1)
+    store.put_anchor(0, w0)
+    unstarted = VersionFlow("trainer", w0.copy(), 0, store=store)
+    with pytest.raises(ProtocolError, match="start_in"):
+        await unstarted.publish(perturb(w0, 0.02, seed=1))
+
+    def failing(error: Exception) -> Callable[..., None]:
+        def write_anchor(*_: object, **__: object) -> None:
+            raise error
+
+        return write_anchor
+
+    trainer = VersionFlow("trainer", w0.copy(), 0, store=store)
+    monkeypatch.setattr(store, "write_anchor", failing(StoreError("disk full")))
+    with capture_logs() as logs:
+        async with asyncio.TaskGroup() as tg:
+            trainer.start_in(tg)
+            await trainer.publish(perturb(w0, 0.02, seed=1))
+    assert [e["version"] for e in logs if e["event"] == "anchor_not_written"] == [1]
+    assert store.info(1).kind == "delta"
+
+    monkeypatch.setattr(store, "write_anchor", failing(RuntimeError("a bug")))
+    with pytest.raises(ExceptionGroup) as caught:
+        async with asyncio.TaskGroup() as tg:
+            trainer.start_in(tg)
+            await trainer.publish(perturb(w0, 0.02, seed=2))
+    assert [type(e) for e in caught.value.exceptions] == [RuntimeError]

@@ -75,6 +75,7 @@ from aurora.protocol.messages import (
     decode_link,
     encode_link,
 )
+from aurora.runtime.groups import wait_first
 
 log = structlog.get_logger("aurora.transport.zmq")
 
@@ -132,15 +133,8 @@ class ZmqChannel(ChannelBase):
         except zmq.Again:
             pass
         # The socket is full or has no live connection: wait, unless the channel closes meanwhile.
-        send = asyncio.ensure_future(self._link.sock.send_multipart(frames, copy=False))
-        closed = asyncio.ensure_future(self._closed_ev.wait())
-        try:
-            await asyncio.wait({send, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closed.cancel()
-            if not send.done():
-                send.cancel()
-        if not send.done() or send.cancelled():
+        send, _ = await wait_first(self._link.sock.send_multipart(frames, copy=False), self._closed_ev.wait())
+        if send.cancelled():
             raise TransportClosed(f"channel to {self.peer!r} closed while sending ({self._reason})")
         send.result()
 

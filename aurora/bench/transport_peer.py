@@ -31,6 +31,7 @@ import xxhash
 from aurora.errors import AuroraError, TransportClosed
 from aurora.logs import configure
 from aurora.protocol.messages import Probe
+from aurora.runtime.groups import first_error
 from aurora.transport.base import Channel
 from aurora.transport.bulk import receive_bulk, send_bulk
 from aurora.transport.zmq import LinkConfig, ZmqClient, ZmqServer
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _run(a, ap, rtc_kw)
     except* AuroraError as eg:  # also from inside a TaskGroup
-        failed = eg.exceptions[0]
+        failed = first_error(eg)
     if failed is not None:
         print(f"aurora.bench.transport_peer {a.role}: {failed}", file=sys.stderr)
         sys.exit(2)

@@ -2,7 +2,7 @@
 
 from aurora.runtime.actor import Actor, ActorCell, ActorRef, Exit
 from aurora.runtime.clock import Clock, LoopClock, VirtualClock
-from aurora.runtime.groups import first_error, unwrap_group
+from aurora.runtime.groups import cancel_and_wait, first_error, unwrap_group, wait_first
 from aurora.runtime.supervisor import ChildSpec, Supervisor
 
 __all__ = [
@@ -15,6 +15,8 @@ __all__ = [
     "LoopClock",
     "Supervisor",
     "VirtualClock",
+    "cancel_and_wait",
     "first_error",
     "unwrap_group",
+    "wait_first",
 ]

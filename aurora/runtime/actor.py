@@ -33,6 +33,7 @@ import structlog
 
 from aurora.errors import ActorDead
 from aurora.runtime.clock import Clock, LoopClock
+from aurora.runtime.groups import cancel_and_wait
 
 log = structlog.get_logger("aurora.runtime")
 
@@ -190,9 +191,7 @@ class ActorCell:
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
         for t in done:
             exc = None if t.cancelled() else t.exception()
             if exc is not None:

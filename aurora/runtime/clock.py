@@ -11,7 +11,9 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
+
+from aurora.runtime.groups import wait_first
 
 T = TypeVar("T")
 
@@ -81,15 +83,9 @@ class VirtualClock:
             t.cancel()
 
     async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
-        task = asyncio.ensure_future(aw)
-        timer = asyncio.ensure_future(self.sleep(timeout_s))
-        try:
-            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            timer.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
+        task, _ = await wait_first(aw, self.sleep(timeout_s))
+        if not task.cancelled():
+            return cast(T, task.result())
         raise TimeoutError(f"timed out after {timeout_s} s of virtual time")
 
     async def advance(self, delta_s: float) -> None:

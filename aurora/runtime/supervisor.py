@@ -39,6 +39,7 @@ from aurora.errors import ActorDead, RestartIntensityExceeded
 from aurora.protocol.restart import RestartBudget
 from aurora.runtime.actor import Actor, ActorCell, ActorRef, Exit
 from aurora.runtime.clock import Clock, LoopClock
+from aurora.runtime.groups import first_error, wait_first
 
 log = structlog.get_logger("aurora.runtime")
 
@@ -159,9 +160,7 @@ class Supervisor:
                         await self._shutdown(self._children)
             except BaseExceptionGroup as eg:
                 # TaskGroup wraps an error raised in its body; children never raise into it.
-                if len(eg.exceptions) == 1:
-                    raise eg.exceptions[0] from None
-                raise
+                raise first_error(eg) from None
         except BaseException as e:
             if not self.ready.done():
                 self.ready.set_exception(e if isinstance(e, Exception) else ActorDead(f"{self.name} cancelled"))
@@ -227,20 +226,14 @@ class Supervisor:
             c.exit_seen.set()
 
     async def _supervise(self) -> None:
-        stop_wait = asyncio.ensure_future(self._stop.wait())
-        try:
-            while True:
-                get = asyncio.ensure_future(self._exits.get())
-                done, _ = await asyncio.wait({get, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if stop_wait in done:
-                    get.cancel()
-                    return
-                c, gen, how, err = get.result()
-                if gen != c.generation:
-                    continue  # an old incarnation we already replaced
-                await self._on_exit(c, how, err)
-        finally:
-            stop_wait.cancel()
+        while True:
+            stopped, get = await wait_first(self._stop.wait(), self._exits.get())
+            if not stopped.cancelled():
+                return
+            c, gen, how, err = get.result()
+            if gen != c.generation:
+                continue  # an old incarnation we already replaced
+            await self._on_exit(c, how, err)
 
     async def _on_exit(self, c: _Child, how: Exit, err: BaseException | None) -> None:
         spec = c.spec

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from aurora.errors import TransportClosed
 from aurora.protocol.messages import Probe
+from aurora.runtime.groups import cancel_and_wait
 from aurora.transport.base import Channel, FrameTooLarge
 
 
@@ -122,7 +123,7 @@ async def check_backpressure(link: LinkFactory) -> None:
             await asyncio.sleep(0.2)
             assert sent > stalled_at, "sender did not resume once the receiver read"
         finally:
-            task.cancel()
+            await cancel_and_wait(task)
             await asyncio.gather(task, return_exceptions=True)
 
 
