@@ -132,7 +132,7 @@ def encode_span(
 
 def _sparse_span(b: np.ndarray, t: np.ndarray, idx: np.ndarray | None) -> tuple[ChunkKind, int, bytes | memoryview]:
     if idx is None:
-        idx = kernels.changed_positions(b, t)
+        idx = kernels.changed_positions(b, t, kernels.words(b), kernels.words(t))
     n = int(idx.size)
     if n == 0:
         return ChunkKind.DELTA, 0, b""
