@@ -29,6 +29,7 @@ from aurora.codec.choice import CodecSpeed, choose
 from aurora.codec.encoder import Coding, EncodeStats
 from aurora.config.plan import Tree, slowest_link_mbit
 from aurora.config.topology import Topology
+from aurora.events import CODING_CHOSEN
 
 log = structlog.get_logger("aurora.coding")
 
@@ -82,7 +83,7 @@ class CodingPolicy:
         out = {n: choose(self._density.get(n, FIRST_DENSITY), link, speed) for n in names}
         sparse = frozenset(n for n, c in out.items() if c is Coding.SPARSE)
         if sparse != self._last:
-            log.info("coding_chosen", sparse=len(sparse), conditioned=len(out) - len(sparse),
+            log.info(CODING_CHOSEN, sparse=len(sparse), conditioned=len(out) - len(sparse),
                      threshold_density=round(speed.threshold(link), 5), link_mbit=self.link_mbit,
                      cond_ns_per_element=round(speed.cond_s_per_element * 1e9, 2),
                      sparse_ns_per_element=round(speed.sparse_s_per_element * 1e9, 2),

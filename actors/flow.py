@@ -66,6 +66,7 @@ from aurora.codec.decoder import DeltaReceiver, blank_weights
 from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
 from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError, TransportClosed
+from aurora.events import ANCHOR_NOT_WRITTEN, CATCH_UP_SENT, SNAPSHOT_SENT, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
 from aurora.runtime.groups import cancel_and_wait, wait_first
@@ -282,7 +283,7 @@ class VersionFlow:
         publish_s = time.monotonic() - t0
         self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None,
                                "seal_s": round(seal_s + wait_s, 6)}  # fmt: skip
-        log.info("version_published", node=self.name, version=target, chunks=n, bytes=nbytes,
+        log.info(VERSION_PUBLISHED, node=self.name, version=target, chunks=n, bytes=nbytes,
                  snapshot=m.is_snapshot, publish_s=round(publish_s, 6), encode_s=round(encode_s, 6),
                  store_s=round(store_s, 6), seal_s=round(seal_s, 6), hash_wait_s=round(wait_s, 6),
                  signed=self._signs, changed=stats.changed, sparse_chunks=stats.sparse_chunks,
@@ -316,7 +317,7 @@ class VersionFlow:
         async with self.weights_lock:
             self.weights, self.version, self.digest = new, (self.version or 0) + 1, new.digest()
         self.last_published = {"bytes": 0, "density": None}
-        log.info("version_published", node=self.name, version=self.version, chunks=0, bytes=0, delivered=False)
+        log.info(VERSION_PUBLISHED, node=self.name, version=self.version, chunks=0, bytes=0, delivered=False)
         return self.version
 
     # -- a relay's or rollout's side
@@ -490,7 +491,7 @@ class VersionFlow:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
         self._dispatch(self.router.commands())
-        log.info("version_committed", node=self.name, version=target, snapshot=m.is_snapshot,
+        log.info(VERSION_COMMITTED, node=self.name, version=target, snapshot=m.is_snapshot,
                  verified="bytes" if trusted_bytes else ("state" if check_state else "unsigned"),
                  verify_s=round(verify_s, 6), digest=m.target_digest.hex()[:16])  # fmt: skip
         return target
@@ -560,7 +561,7 @@ class VersionFlow:
                 image = await asyncio.to_thread(anchor_image, v, weights)
             await asyncio.to_thread(store.write_anchor, image, seal=seal)
         except (StoreError, OSError) as e:
-            log.warning("anchor_not_written", node=self.name, version=v, error=str(e))
+            log.warning(ANCHOR_NOT_WRITTEN, node=self.name, version=v, error=str(e))
 
     def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, seal: SealWire | None, *,
               prune: bool = False) -> bool:  # fmt: skip
@@ -598,7 +599,7 @@ class VersionFlow:
             return False
         version, seal, (manifest, chunks) = made
         await _send_delta(ch, have, version, manifest, chunks, seal)
-        log.info("catch_up_sent", node=self.name, child=ch.peer, composed=True, base=have, version=version)
+        log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, composed=True, base=have, version=version)
         return True
 
     async def _made(self, have: int | None, make: Any) -> tuple[int, SealWire | None, Any] | None:
@@ -630,7 +631,7 @@ class VersionFlow:
                 s = self.history[v]
                 await _send_delta(ch, None if s.snapshot else v - 1, v, s.manifest,
                                   [c for c in s.chunks if c is not None], s.seal)  # fmt: skip
-            log.info("catch_up_sent", node=self.name, child=ch.peer, versions=len(chain))
+            log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, versions=len(chain))
             return
         if self.weights is None:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
@@ -643,7 +644,7 @@ class VersionFlow:
         assert made is not None
         version, seal, (manifest, chunks) = made
         await _send_delta(ch, None, version, manifest, chunks, seal)
-        log.info("snapshot_sent", node=self.name, child=ch.peer, version=version)
+        log.info(SNAPSHOT_SENT, node=self.name, child=ch.peer, version=version)
 
     def _replay_from(self, have: int | None, to: int) -> int | None:
         """The first stored version of the shortest chain that brings a child holding ``have`` to

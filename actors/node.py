@@ -44,7 +44,8 @@ the child while it is itself detached or when the child is its own ancestor; a n
 whose parent's path comes to run through itself leaves that parent — so failover
 never closes a cycle. Logs say what happened: ``version_published``,
 ``version_committed``, ``parent_attached``, ``parent_lost``, ``parent_failed``,
-``parent_return``, ``child_attached``, ``child_failed``, ``engine_switched``, ``step``.
+``parent_return``, ``child_attached``, ``child_failed``, ``engine_switched``, ``step``
+(the names other code reads are constants in `aurora.events`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,20 @@ from aurora.config.plan import Tree
 from aurora.config.rl import EngineSpec
 from aurora.config.topology import Topology, WebRtcSpec
 from aurora.errors import AuroraError, AuthError, ConfigError, StoreError, TransportClosed
+from aurora.events import (
+    CHILD_ATTACHED,
+    NODE_RESUMED,
+    NODE_STARTED,
+    PARENT_ATTACHED,
+    PARENT_FAILED,
+    PARENT_LOST,
+    PARENT_RETURN,
+    STEP,
+    STORE_VERSION_UNUSABLE,
+    TRAINER_RESUMED,
+    VERSION_SYNCED,
+    WEBRTC_PARENT_CONNECTED,
+)
 from aurora.protocol.leases import LeaseHolder
 from aurora.protocol.messages import (
     DOWN,
@@ -194,7 +209,7 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                 node.rtc.start_in(tg)
             node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
             sup_task = await sup.start_in(tg)
-            log.info("node_started", listen=zt.address or None, parent=parent, actors=[c.name for c in specs],
+            log.info(NODE_STARTED, listen=zt.address or None, parent=parent, actors=[c.name for c in specs],
                      codec_threads=node.threads,
                      authenticated=keys.secure)  # fmt: skip
             stopping = asyncio.ensure_future(stop.wait())
@@ -317,7 +332,7 @@ class Node:
                 raise StoreError(f"the trainer cannot resume from its store: {e}") from None
             version = latest
             await asyncio.to_thread(learner.restore, weights, version)
-            log.info("trainer_resumed", version=version, store=str(store), digest=weights.digest().hex()[:16])
+            log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
                                 store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads,
                                 coding=CodingPolicy.of(self.topo, self.tree))  # fmt: skip
@@ -342,9 +357,9 @@ class Node:
             try:
                 weights, seal = await asyncio.to_thread(self._resume_from, v)
             except (StoreError, AuthError) as e:
-                log.warning("store_version_unusable", version=v, store=str(store), error=str(e))
+                log.warning(STORE_VERSION_UNUSABLE, version=v, store=str(store), error=str(e))
                 continue
-            log.info("node_resumed", version=v, store=str(store), digest=weights.digest().hex()[:16])
+            log.info(NODE_RESUMED, version=v, store=str(store), digest=weights.digest().hex()[:16])
             self.flow = VersionFlow(self.name, weights, v, full_weights=self.topo.sync.full_weights,
                                     store=self.store, verifier=self.verifier, seal=seal,
                                     threads=self.threads)  # fmt: skip
@@ -391,7 +406,7 @@ class Node:
         if isinstance(m, Held):
             dt = self.status.on_held(m.n, m.v)
             if dt is not None:
-                log.info("version_synced", version=m.v, sync_s=round(dt, 4))
+                log.info(VERSION_SYNCED, version=m.v, sync_s=round(dt, 4))
         else:
             self.status.on_report(m.n, m.r)
 
@@ -467,7 +482,7 @@ class _Publisher(Actor):
         board = node.board
         checks = {"validate_us": round(1e6 * board.validate_s / board.results, 2) if board.results else None}
         node.status.step = {"version": v, **stats, **node.flow.last_published}
-        log.info("step", version=v, results=results, **stats, **pool.stats(), **checks)
+        log.info(STEP, version=v, results=results, **stats, **pool.stats(), **checks)
 
 
 class _Reporter(Actor):
@@ -600,7 +615,7 @@ async def _serve_child(node: Node, ch: Channel) -> None:
         await ch.close("probe answered")
         return
     place.children[ch.peer] = ch
-    log.info("child_attached", child=ch.peer, version=hello.v)
+    log.info(CHILD_ATTACHED, child=ch.peer, version=hello.v)
     flow.add_child(ch, hello.v)
     with unwrap_group():
         async with asyncio.TaskGroup() as tg:
@@ -725,22 +740,22 @@ async def _follow(node: Node, zt: NodeTransport, ch: Channel, parent: str, lost_
             await place.moved(list(answer.path))
             place.parent = ch
             attached = True
-            log.info("parent_attached", parent=parent, version=flow.version, path=place.path,
+            log.info(PARENT_ATTACHED, parent=parent, version=flow.version, path=place.path,
                      planned=parent == place.planned)  # fmt: skip
             await _attached(node, zt, ch, parent, lost_after_s)
         else:
             log.info("parent_refused", parent=parent,
                      reason=answer.reason if isinstance(answer, Refused) else f"a cycle, or {type(answer).__name__}")  # fmt: skip
     except _Return:
-        log.info("parent_return", parent=parent, to=place.planned,
+        log.info(PARENT_RETURN, parent=parent, to=place.planned,
                  reason="the planned parent has been healthy long enough")  # fmt: skip
         with contextlib.suppress(TransportClosed):
             await ch.close("returning to the planned parent")
         return "return"
     except (TransportClosed, TimeoutError, _Cycle) as e:
-        log.warning("parent_lost", parent=parent, reason=str(e) or "no answer")
+        log.warning(PARENT_LOST, parent=parent, reason=str(e) or "no answer")
     except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
-        log.error("parent_failed", parent=parent, error=repr(e)[:500], quarantine_s=QUARANTINE_S)
+        log.error(PARENT_FAILED, parent=parent, error=repr(e)[:500], quarantine_s=QUARANTINE_S)
         place.failed[parent] = time.monotonic()
         with contextlib.suppress(TransportClosed):
             await ch.close(f"leaving this parent: {type(e).__name__}")
@@ -831,7 +846,7 @@ async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str, add
     except BaseException:
         loop.cancel()
         raise
-    log.info("webrtc_parent_connected", parent=parent)
+    log.info(WEBRTC_PARENT_CONNECTED, parent=parent)
     return ch, loop
 
 

@@ -33,6 +33,7 @@ from aurora.transport.base import Channel, Message
 
 from aurora.config.topology import LeaseSpec
 from aurora.errors import ActorDead, TransportClosed
+from aurora.events import ENGINE_SWITCHED, LEASE_EXPIRED, LEASE_GIVEN_UP, LEASES_GRANTED, RESULT_SENT, WORK_STARTED
 from aurora.logs import Throttle
 from aurora.protocol.leases import Lease, LeaseHolder
 from aurora.protocol.messages import (
@@ -109,7 +110,7 @@ class Coordinator(Actor):
         while True:  # expire leases on time even when no message comes; answer parked wants
             now = time.monotonic()
             for e in self.pool.expire(now):
-                log.info("lease_expired", worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
+                log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
             for w, granted in self.pool.unpark(now, self.flow.version or 0).items():
                 await self._grant(w, granted)
             due = self.pool.next_deadline()
@@ -218,9 +219,9 @@ class Worker(Actor):
             self.group_size = m.n
             for g in m.leases:
                 self.prompts[g.item] = Prompt(g.item, "", tokens=tuple(g.tokens))
-            log.debug("leases_granted", leases=[[x.item, x.token.hex()[:8]] for x in got])
+            log.debug(LEASES_GRANTED, leases=[[x.item, x.token.hex()[:8]] for x in got])
             if not self.stats.completions and not self.granted.is_set():
-                log.info("work_started", leases=len(got))
+                log.info(WORK_STARTED, leases=len(got))
             self.granted.set()
         elif isinstance(m, Renewed):
             self.holder.on_renewed([Lease(x.item, self.name, x.token, now, now + x.ttl_s) for x in m.leases], now)
@@ -245,7 +246,7 @@ class Worker(Actor):
             self.holder.tick(now)
             for ev in self.holder.events():
                 self.prompts.pop(cast(int, ev.lease.item), None)
-                log.info("lease_given_up", item=ev.lease.item, token=ev.lease.token.hex()[:8])
+                log.info(LEASE_GIVEN_UP, item=ev.lease.item, token=ev.lease.token.hex()[:8])
             tokens = self.holder.renewals_due(now)
             for i in range(0, len(tokens), 256):
                 await self.up(Renew(w=self.name, tokens=tokens[i : i + 256]), ())
@@ -279,7 +280,7 @@ class Worker(Actor):
             self.prompts.pop(c.prompt_id, None)
             if lease is None:
                 continue  # given up meanwhile: the coordinator has leased it to someone else
-            log.debug("result_sent", item=c.prompt_id, token=lease.token.hex()[:8])
+            log.debug(RESULT_SENT, item=c.prompt_id, token=lease.token.hex()[:8])
             samples = [SampleWire(s.tokens, [min(0.0, lp) for lp in s.logprobs]) for s in c.samples]
             await self.up(Result(w=self.name, item=c.prompt_id, token=lease.token, v=version, samples=samples), ())
 
@@ -299,7 +300,7 @@ class Worker(Actor):
         dt = time.perf_counter() - t0
         self.stats.switches += 1
         self.stats.switch_s += dt
-        log.info("engine_switched", version=v, from_version=was,
+        log.info(ENGINE_SWITCHED, version=v, from_version=was,
                  tensors="all" if upd.touched is None else len(upd.touched), switch_ms=round(dt * 1e3, 2))  # fmt: skip
 
 

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from aurora.events import STEP, VERSION_PUBLISHED, VERSION_SYNCED
+
 STEP_FIELDS = ("reward", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "staleness", "groups",
                "groups_skipped", "samples", "tokens", "learn_s")  # fmt: skip
 
@@ -29,11 +31,11 @@ def collect(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         ev, v = e.get("event"), e.get("version")
         if not isinstance(v, int):
             continue
-        if ev == "step":
+        if ev == STEP:
             row(v).update({k: e.get(k) for k in STEP_FIELDS})
-        elif ev == "version_published":
+        elif ev == VERSION_PUBLISHED:
             row(v).update(bytes=e.get("bytes"), density=e.get("density"), publish_s=e.get("publish_s"))
-        elif ev == "version_synced":
+        elif ev == VERSION_SYNCED:
             row(v)["sync_s"] = e.get("sync_s")
     return [rows[v] for v in sorted(rows) if v > 0]
 

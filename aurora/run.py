@@ -33,6 +33,7 @@ from aurora.actors.status import STATUS_EVERY_S, fetch_status, render
 from aurora.config.plan import Tree, plan
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
+from aurora.events import PARENT_ATTACHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
 from aurora.protocol.messages import Snapshot
@@ -106,11 +107,11 @@ class Cluster:
                 st = self.status[name]
                 st.last = line[:300]
                 ev = e.get("event")
-                if ev in ("version_committed", "version_published"):
+                if ev in (VERSION_COMMITTED, VERSION_PUBLISHED):
                     st.version = int(e["version"])
-                elif ev == "parent_attached":
+                elif ev == PARENT_ATTACHED:
                     st.parent = str(e.get("parent"))
-            if ev == "step" and name == self.topo.trainer.name and isinstance(e.get("version"), int):
+            if ev == STEP and name == self.topo.trainer.name and isinstance(e.get("version"), int):
                 self._sample_cpu(int(e["version"]))
 
     def _sample_cpu(self, version: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from aurora.bench.rl import cpu_per_step, measure
+from aurora.events import CHANNEL_CLOSED, ENGINE_SWITCHED, STEP
 from tests.helpers import rl_topology
 
 
@@ -22,13 +23,13 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
     """A rollout that attaches (or restarts) inside the timed window loads its first version
     there: that is start-up, not generation paused for a switch (the ideal run's CI flake)."""
     at = lambda s: f"2026-12-03T08:00:{s:02d}.000000Z"  # noqa: E731
-    _log(tmp_path / "trainer.log", [{"event": "step", "version": v, "tokens": 100, "timestamp": at(2 * v)}
+    _log(tmp_path / "trainer.log", [{"event": STEP, "version": v, "tokens": 100, "timestamp": at(2 * v)}
                                     for v in range(1, 7)])  # fmt: skip
-    _log(tmp_path / "r0.log", [{"event": "engine_switched", "version": 0, "from_version": None,
+    _log(tmp_path / "r0.log", [{"event": ENGINE_SWITCHED, "version": 0, "from_version": None,
                                 "switch_ms": 500.0, "timestamp": at(5)}])  # fmt: skip
-    _log(tmp_path / "r1.log", [{"event": "engine_switched", "version": 3, "from_version": 2,
+    _log(tmp_path / "r1.log", [{"event": ENGINE_SWITCHED, "version": 3, "from_version": 2,
                                 "switch_ms": 400.0, "timestamp": at(6)},
-                               {"event": "engine_switched", "version": 1, "from_version": 0,
+                               {"event": ENGINE_SWITCHED, "version": 1, "from_version": 0,
                                 "switch_ms": 900.0, "timestamp": at(1)}])  # before the window  # fmt: skip
     m = measure(tmp_path, "trainer", ["r0", "r1"], warmup=1)  # window: step 2 (4 s) to step 6 (12 s)
     assert m["window_s"] == pytest.approx(8.0)
@@ -54,7 +55,7 @@ def test_bench_rl_prints_sync_next_to_the_ideal(tmp_path: Path) -> None:
                         "--json", str(out)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "sync / ideal tokens/s:" in r.stdout
-    assert "channel_closed" not in r.stdout + r.stderr  # the bench's own connections stay quiet
+    assert CHANNEL_CLOSED not in r.stdout + r.stderr  # the bench's own connections stay quiet
     got = json.loads(out.read_text())
     for mode in ("sync", "ideal"):
         m = got[mode]

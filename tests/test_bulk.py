@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from aurora.errors import ProtocolError, TransportClosed
+from aurora.events import BULK_FRAME_REJECTED, BULK_RESUMED, BULK_STREAM_DROPPED
 from aurora.protocol.bulk import BulkAssembly, BulkOffer, frame_digest, payload_digest, to_ranges
 from aurora.protocol.messages import AppMessage, BulkFrame
 from aurora.testing.memory import MemoryChannel, memory_channel_pair
@@ -135,7 +136,7 @@ async def test_striped_transfer_survives_a_dying_stream_and_a_corrupt_frame() ->
     assert bytes(got.result()) == PAYLOAD
     assert all(s.frames > 0 for s in senders), "every stream carried frames"
     events = {e["event"] for e in logs}
-    assert {"bulk_stream_dropped", "bulk_frame_rejected"} <= events
+    assert {BULK_STREAM_DROPPED, BULK_FRAME_REJECTED} <= events
 
 
 async def test_an_interrupted_transfer_resumes_from_what_arrived() -> None:
@@ -157,7 +158,7 @@ async def test_an_interrupted_transfer_resumes_from_what_arrived() -> None:
             await send_bulk(senders, PAYLOAD, transfer_id="snap-7", frame_bytes=FRAME)
     assert bytes(got.result()) == PAYLOAD
     assert sum(s.frames for s in senders) == frames - held, "only the missing frames were sent again"
-    assert any(e["event"] == "bulk_resumed" for e in logs)
+    assert any(e["event"] == BULK_RESUMED for e in logs)
     assert receiver.partial == {}
 
 

@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from aurora.codec import Weights
 from aurora.errors import TransportClosed
+from aurora.events import ANCHOR_NOT_WRITTEN, CATCH_UP_SENT, CODING_CHOSEN, SNAPSHOT_SENT, VERSION_PUBLISHED
 from aurora.protocol.messages import Have
 from aurora.testing.memory import memory_channel_pair
 from tests.helpers import perturb
@@ -100,8 +101,8 @@ async def test_versions_reach_every_node_bit_exact_and_late_joiners_catch_up() -
             await tree.attach(relay, late)
             await tree.attach(relay, behind)
             await _until(lambda: late.version == 3 and behind.version == 3)
-        sent = {(e["event"], e["child"]) for e in logs if e["event"] in ("snapshot_sent", "catch_up_sent")}
-        assert sent == {("snapshot_sent", "late"), ("catch_up_sent", "behind")}
+        sent = {(e["event"], e["child"]) for e in logs if e["event"] in (SNAPSHOT_SENT, CATCH_UP_SENT)}
+        assert sent == {(SNAPSHOT_SENT, "late"), (CATCH_UP_SENT, "behind")}
         for n in (late, behind):
             assert n.weights is not None
             assert n.weights.digest() == current.digest(), n.name
@@ -186,17 +187,19 @@ async def test_versions_coded_sparse_or_by_link_reach_every_node_bit_exact(mode:
                 await _until(lambda step=step: relay.version == leaf.version == step)
                 assert leaf.weights is not None
                 assert leaf.weights.digest() == current.digest()
-        sparse = [e["sparse_chunks"] for e in logs if e["event"] == "version_published"]
+        sparse = [e["sparse_chunks"] for e in logs if e["event"] == VERSION_PUBLISHED]
         if link_mbit > 1:  # sparse always, or a link so fast that every tensor is cheaper sparse
             assert all(s > 0 for s in sparse)
         else:  # a link so slow that the conditioned bytes always win
             assert sparse == [0, 0, 0]
         if mode == "auto":
-            assert any(e["event"] == "coding_chosen" for e in logs)
+            assert any(e["event"] == CODING_CHOSEN for e in logs)
         await tree.close()
 
 
-async def test_an_anchor_write_is_owned_by_the_flows_task_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_anchor_write_is_owned_by_the_flows_task_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A store error writing an anchor is logged (the version stays a delta); any other error is the
     owner's crash, raised by its task group; a flow with a store that was never started refuses to store."""
     from aurora.errors import ProtocolError, StoreError
@@ -216,17 +219,19 @@ async def test_an_anchor_write_is_owned_by_the_flows_task_group(tmp_path: Path, 
         return write_anchor
 
     trainer = VersionFlow("trainer", w0.copy(), 0, store=store)
-    monkeypatch.setattr(store, "write_anchor", failing(StoreError("disk full")))
-    with capture_logs() as logs:
+
+    async def publish_in_a_group(seed: int) -> None:
         async with asyncio.TaskGroup() as tg:
             trainer.start_in(tg)
-            await trainer.publish(perturb(w0, 0.02, seed=1))
-    assert [e["version"] for e in logs if e["event"] == "anchor_not_written"] == [1]
+            await trainer.publish(perturb(w0, 0.02, seed=seed))
+
+    monkeypatch.setattr(store, "write_anchor", failing(StoreError("disk full")))
+    with capture_logs() as logs:
+        await publish_in_a_group(1)
+    assert [e["version"] for e in logs if e["event"] == ANCHOR_NOT_WRITTEN] == [1]
     assert store.info(1).kind == "delta"
 
     monkeypatch.setattr(store, "write_anchor", failing(RuntimeError("a bug")))
     with pytest.raises(ExceptionGroup) as caught:
-        async with asyncio.TaskGroup() as tg:
-            trainer.start_in(tg)
-            await trainer.publish(perturb(w0, 0.02, seed=2))
+        await publish_in_a_group(2)
     assert [type(e) for e in caught.value.exceptions] == [RuntimeError]

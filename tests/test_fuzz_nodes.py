@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 from aurora.auth.keys import generate_topology_keys, load_node_keys
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
+from aurora.events import BAD_FRAME, BAD_MESSAGE, CHILD_EXITED
 from aurora.protocol.messages import Hello, LinkBeat, LinkData, SignalHello, StatusQuery, encode_app, encode_link
 from aurora.testing.fuzz import hostile_frames
 from tests.helpers import free_ports
@@ -189,7 +190,7 @@ def test_hostile_frames_never_stop_a_node_nor_the_legitimate_stream(cluster: Clu
                      30, "the rollout to hold the trainer's version, bit-identical")  # fmt: skip
     assert sent[0] == CASES
     assert not any(t.done() for t in cluster.tasks.values()), "a node exited"
-    crashes = [e for e in logs if e["event"] == "child_exited" and e.get("exit") == "crash"]
+    crashes = [e for e in logs if e["event"] == CHILD_EXITED and e.get("exit") == "crash"]
     assert not crashes, crashes[:3]
-    assert any(e["event"] in ("bad_message", "bad_frame") for e in logs)  # the attack did reach the nodes
+    assert any(e["event"] in (BAD_MESSAGE, BAD_FRAME) for e in logs)  # the attack did reach the nodes
     assert _rss_mb() - start_rss < 400, f"memory grew by {_rss_mb() - start_rss:.0f} MB"

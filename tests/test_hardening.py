@@ -32,6 +32,7 @@ from aurora.config.plan import plan
 from aurora.config.rl import ArithmeticSpec, GrpoSpec, ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError, DeltaFormatError, StoreError
+from aurora.events import STORE_VERSION_UNUSABLE
 from aurora.protocol import messages as wire
 from aurora.rl.learners.grpo import GrpoLearner
 from aurora.rl.tasks import ArithmeticTask
@@ -144,7 +145,7 @@ learner: {{kind: synthetic, params: 2000, tensors: 2, density: 0.05, interval_s:
         await node.open_store(tmp_path / "r1")
     assert node.flow.version == 3
     assert node.flow.digest == good.digest()
-    (skip,) = [e for e in logs if e["event"] == "store_version_unusable"]
+    (skip,) = [e for e in logs if e["event"] == STORE_VERSION_UNUSABLE]
     assert skip["version"] == 4
     assert "v00000004.safetensors" in skip["error"]
     assert isinstance(SealVerifier(keys.verifier).open(node.flow.seal or wire.SealWire(b"", bytes(64))).v, int)

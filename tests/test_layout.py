@@ -1,4 +1,41 @@
-"""Packaging and architecture: import names, the built wheel, import direction."""
+"""Packaging and architecture: import names, the built wheel, which package may import which.
+
+The layers, by import name, lowest first. A module may import its own package and the packages of
+the layers below its own, never a package beside it or above it. Every import counts: at the top
+of a module, inside a function (a lazy import is still a dependency) and under ``TYPE_CHECKING``
+(a type is one too).
+
+The kernel (0-5) never imports ``aurora.actors`` or ``aurora.transport``:
+
+0. names: ``aurora.errors``, ``aurora.events`` and ``aurora.rl.types`` — the error tree, the log
+   event names, and the RL data contract the work protocol carries (``Prompt``, ``Completion``:
+   dataclasses, no torch), which is why ``aurora.protocol`` may import it and nothing else of
+   ``aurora.rl``;
+1. ``aurora.codec`` — bytes in, bytes out: no I/O (below);
+2. ``aurora.protocol`` — the rules as values: no I/O either;
+3. ``aurora.config``, ``aurora.runtime``, ``aurora.store``, ``aurora.logs`` — the topology, the actor
+   runtime, the version store and the one logging setup, side by side (none needs another);
+4. ``aurora.auth`` — keys named by the topology, seals over the codec's layout;
+5. ``aurora.rl`` — models, tasks, engines, learners: on the codec, the store and the config.
+
+Above the kernel:
+
+6. ``aurora.transport`` — links between nodes, on the kernel only (not the actors that use them);
+   ``aurora.display`` and ``aurora.metrics`` — what the composition roots show and write, kernel only;
+7. ``aurora.actors`` — the drivers: kernel and transports; ``aurora.testing`` — the product fakes:
+   kernel and transports (its fakes implement the transport's interfaces), never the actors they
+   are there to test.
+
+The composition roots import anything: ``aurora.cli`` (the command line), ``aurora.run`` (it
+launches a cluster and reads its status, like the command line), ``aurora.bench`` (each bench
+builds what it measures), ``aurora.__main__`` and the ``aurora`` package itself. Nothing imports
+a root but another root.
+
+Besides the table: no two modules import each other, directly or round a cycle; the codec and the
+protocol import nothing that does I/O, and importing the protocol loads neither torch nor
+asyncio (``aurora.rl.types`` stays pure data); and a log event that other code reads is named
+through its constant in ``aurora.events``, never as a string.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +43,37 @@ import ast
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import aurora.events
+
 ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"aurora": ROOT / "aurora", "aurora.actors": ROOT / "actors", "aurora.transport": ROOT / "transport"}
+
+ANYTHING = 99
+LAYER = {
+    "aurora.errors": 0, "aurora.events": 0, "aurora.rl.types": 0,
+    "aurora.codec": 1,
+    "aurora.protocol": 2,
+    "aurora.config": 3, "aurora.runtime": 3, "aurora.store": 3, "aurora.logs": 3,
+    "aurora.auth": 4,
+    "aurora.rl": 5,
+    "aurora.transport": 6, "aurora.display": 6, "aurora.metrics": 6,
+    "aurora.actors": 7, "aurora.testing": 7,
+    "aurora.cli": ANYTHING, "aurora.run": ANYTHING, "aurora.bench": ANYTHING, "aurora.__main__": ANYTHING,
+    "aurora": ANYTHING,
+}  # fmt: skip
+"""Each package's layer (see the module docstring); a package is named by its longest prefix here."""
+
 PURE = ["aurora/codec", "aurora/protocol"]
-FORBIDDEN = {"asyncio", "zmq", "aiortc", "structlog", "socket", "time"}
+IO = {"asyncio", "zmq", "aiortc", "structlog", "socket", "time", "os", "subprocess", "selectors"}
+DATA_ONLY = {"__future__", "dataclasses", "typing", "collections", "enum"}
+"""All that `aurora.rl.types` may import: it is pure data."""
+HEAVY = {"torch", "numpy", "asyncio", "zmq", "aiortc", "structlog", "socket"}
+"""What importing the protocol must not load (``os`` and ``time`` come with the interpreter)."""
 
 
 def test_import_names_are_under_aurora() -> None:
@@ -23,7 +84,38 @@ def test_import_names_are_under_aurora() -> None:
     assert Path(aurora.transport.__file__).parent == ROOT / "transport"
 
 
-def _imports(path: Path) -> set[str]:
+def _modules() -> dict[str, Path]:
+    """Every module of the package by import name (``actors/`` and ``transport/`` install under ``aurora``)."""
+    out = {}
+    for prefix, folder in SOURCES.items():
+        for f in folder.rglob("*.py"):
+            parts = [*prefix.split("."), *f.relative_to(folder).with_suffix("").parts]
+            if prefix == "aurora" and parts[1] in ("actors", "transport"):
+                continue
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _aurora_imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """The ``aurora`` modules ``name`` imports (a package where a name is not a module), with lines."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "aurora")
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if module.split(".")[0] != "aurora":
+                continue
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                yield (sub if sub in MODULES else module), node.lineno
+
+
+def _imported_roots(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -33,14 +125,89 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def _package(module: str) -> str:
+    return max((p for p in LAYER if module == p or module.startswith(p + ".")), key=len)
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [m for m in MODULES if not any(m == p or m.startswith(p + ".") for p in LAYER)]
+    assert not unplaced, f"modules in no layer of tests/test_layout.py's table: {unplaced}"
+
+
+def test_imports_go_down_the_layers() -> None:
+    bad = []
+    for name, path in sorted(MODULES.items()):
+        src = _package(name)
+        for target, line in _aurora_imports(name, path):
+            dst = _package(target)
+            if dst != src and LAYER[src] != ANYTHING and LAYER[dst] >= LAYER[src]:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {src} (layer {LAYER[src]}) imports {target} "
+                           f"(layer {LAYER[dst]})")  # fmt: skip
+    assert not bad, "imports against the layers (tests/test_layout.py):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: {t for t, _ in _aurora_imports(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            cycle = [*path[path.index(m) :], m]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if m in done:
+            return
+        for t in sorted(graph[m]):
+            visit(t, [*path, m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
 @pytest.mark.parametrize("pkg", PURE)
 def test_pure_layers_do_no_io(pkg: str) -> None:
-    files = sorted((ROOT / pkg).glob("*.py"))
-    if not files and pkg == "aurora/protocol":
-        pytest.skip("aurora.protocol not written yet")
-    for f in files:
-        bad = _imports(f) & FORBIDDEN
+    for f in sorted((ROOT / pkg).glob("*.py")):
+        bad = _imported_roots(f) & IO
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_the_rl_data_contract_is_pure_data() -> None:
+    for f in (ROOT / "aurora/rl/types.py", ROOT / "aurora/rl/__init__.py", ROOT / "aurora/__init__.py"):
+        bad = _imported_roots(f) - DATA_ONLY
+        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)} (the protocol imports it: data only)"
+    probe = "import sys, aurora.protocol; print(' '.join(m for m in {mods!r} if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", probe.format(mods=sorted(HEAVY))],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [], f"importing aurora.protocol loads {r.stdout.split()}"
+
+
+EVENTS = {v: k for k, v in vars(aurora.events).items() if k.isupper()}
+NOT_EVENTS = {ROOT / "tests/golden_inputs.py", ROOT / "tests/test_golden.py"}
+"""Files where a word that is also an event's name means something else ("step" is a tensor there)."""
+
+
+def test_event_names_are_only_constants() -> None:
+    """An event that other code reads is logged and matched through `aurora.events`: a string
+    spelling its name anywhere else would silently stop matching after a rename."""
+    assert all(v == k.lower() for v, k in EVENTS.items())
+    logged: set[str] = set()
+    spelled = []
+    files = [*MODULES.values(), *sorted((ROOT / "tests").glob("*.py"))]
+    for f in files:
+        if f == ROOT / "aurora/events.py" or f in NOT_EVENTS:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Constant) and node.value in EVENTS:
+                spelled.append(
+                    f"{f.relative_to(ROOT)}:{node.lineno}: {node.value!r} (aurora.events.{EVENTS[node.value]})"
+                )
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+                first = node.args[0]
+                if node.func.attr in ("debug", "info", "warning", "error", "exception") and isinstance(first, ast.Name):
+                    logged.add(first.id)
+    assert not spelled, "event names spelled as strings:\n" + "\n".join(spelled)
+    assert set(EVENTS.values()) <= logged, f"events nothing logs: {sorted(set(EVENTS.values()) - logged)}"
 
 
 def test_wheel_contains_every_package(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from aurora.auth.keys import generate_curve_pair, generate_topology_keys, load_n
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError, TransportClosed
+from aurora.events import BAD_FRAME, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.protocol.messages import Hello, PathUpdate, Refused
 from tests.helpers import free_ports
 
@@ -100,10 +101,10 @@ async def test_nodes_with_the_topology_keys_attach_over_curve_and_commit_signed_
     assert {n.flow.threads for n in nodes.values()} == {2}  # encoded and decoded two chunks at a time
     assert nodes["rollout"].flow.version == 3
     assert nodes["rollout"].flow.digest == nodes["trainer"].flow.digest
-    commits = [e for e in logs if e["event"] == "version_committed"]
+    commits = [e for e in logs if e["event"] == VERSION_COMMITTED]
     assert commits
     assert {e["verified"] for e in commits} <= {"bytes", "state"}  # every commit checked against a seal
-    assert any(e["event"] == "version_published" and e["signed"] for e in logs)
+    assert any(e["event"] == VERSION_PUBLISHED and e["signed"] for e in logs)
 
 
 async def test_a_node_with_another_key_pair_is_refused(tmp_path: Path) -> None:
@@ -182,5 +183,5 @@ async def test_a_rollouts_key_cannot_pose_as_a_relay_nor_attach_where_the_topolo
             assert "relay-a" in seen["trainer"].place.children
             stop.set()
         assert all(r.done() for r in runs)
-    assert any(e["event"] == "bad_frame" and "sent heartbeats as 'relay-a'" in e["reason"] for e in logs)
+    assert any(e["event"] == BAD_FRAME and "sent heartbeats as 'relay-a'" in e["reason"] for e in logs)
     assert not isinstance(answer, PathUpdate)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from aurora.events import PARENT_ATTACHED, PARENT_LOST, VERSION_COMMITTED, VERSION_PUBLISHED
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 60
@@ -66,12 +67,12 @@ def _attached(log: Path) -> str | None:
     """The parent this node last attached to, if any."""
     if not log.exists():
         return None
-    parents = [e["parent"] for e in log_events(log) if e["event"] == "parent_attached"]
+    parents = [e["parent"] for e in log_events(log) if e["event"] == PARENT_ATTACHED]
     return parents[-1] if parents else None
 
 
 def _version(log: Path) -> int:
-    vs = [e["version"] for e in log_events(log) if e["event"] == "version_committed"]
+    vs = [e["version"] for e in log_events(log) if e["event"] == VERSION_COMMITTED]
     return max(vs, default=-1)
 
 
@@ -87,16 +88,16 @@ def test_killing_a_relay_mid_run_children_reattach_and_converge(
     os.killpg(procs["relay-a"].pid, signal.SIGKILL)
     wait_until(lambda: all(_version(logs[r]) >= STEPS for r in rollouts), 60, f"version {STEPS} everywhere")
 
-    published = {e["version"]: e["digest"] for e in log_events(logs["trainer"]) if e["event"] == "version_published"}
+    published = {e["version"]: e["digest"] for e in log_events(logs["trainer"]) if e["event"] == VERSION_PUBLISHED}
     for r in rollouts:
-        committed = {e["version"]: e["digest"] for e in log_events(logs[r]) if e["event"] == "version_committed"}
+        committed = {e["version"]: e["digest"] for e in log_events(logs[r]) if e["event"] == VERSION_COMMITTED}
         assert committed[STEPS] == published[STEPS], r
-        versions = [e["version"] for e in log_events(logs[r]) if e["event"] == "version_committed"]
+        versions = [e["version"] for e in log_events(logs[r]) if e["event"] == VERSION_COMMITTED]
         assert versions == sorted(versions), f"{r} applied versions out of order: {versions}"
-    attached = {(r, e["parent"]) for r in rollouts for e in log_events(logs[r]) if e["event"] == "parent_attached"}
+    attached = {(r, e["parent"]) for r in rollouts for e in log_events(logs[r]) if e["event"] == PARENT_ATTACHED}
     assert ("rollout-1", "trainer") in attached
     assert ("rollout-2", "relay-b") in attached
-    assert any(e["event"] == "parent_lost" for e in log_events(logs["rollout-1"]))
+    assert any(e["event"] == PARENT_LOST for e in log_events(logs["rollout-1"]))
 
     for n, p in procs.items():  # SIGTERM: a clean stop, exit code 0
         if n != "relay-a":

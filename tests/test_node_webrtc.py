@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
+from aurora.events import CHILD_ATTACHED, WEBRTC_ACCEPTED, WEBRTC_PARENT_CONNECTED
 from aurora.testing.webrtc import loopback_ice
 from tests.helpers import free_ports
 
@@ -55,6 +56,6 @@ async def test_a_webrtc_child_gets_every_version_over_a_data_channel(tmp_path: P
             await asyncio.gather(*tasks)
     assert nodes["rollout"].flow.digest == nodes["trainer"].flow.digest
     events = [e["event"] for e in logs]
-    assert "webrtc_parent_connected" in events
-    assert "webrtc_accepted" in events
-    assert any(e["event"] == "child_attached" and e["child"] == "rollout" for e in logs)
+    assert WEBRTC_PARENT_CONNECTED in events
+    assert WEBRTC_ACCEPTED in events
+    assert any(e["event"] == CHILD_ATTACHED and e["child"] == "rollout" for e in logs)

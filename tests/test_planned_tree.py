@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
+from aurora.events import PARENT_ATTACHED, PARENT_RETURN
 from aurora.testing.links import LinkNet
 
 TOPOLOGY = """
@@ -63,7 +64,7 @@ async def test_late_planned_parent_is_waited_for_and_a_restarted_relay_gets_its_
         assert not any(c in nodes and nodes[c].place.path for c in ("r1", "r2"))
         start("relay-a")
         await _until(lambda: under("relay-a", "r1", "r2"), 30, "the rollouts under their planned relay")
-        assert all(e["planned"] for e in logs if e["event"] == "parent_attached")  # no fallback on the way
+        assert all(e["planned"] for e in logs if e["event"] == PARENT_ATTACHED)  # no fallback on the way
         # the relay dies: its children fail over to the trainer
         tasks.pop("relay-a").cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -77,6 +78,6 @@ async def test_late_planned_parent_is_waited_for_and_a_restarted_relay_gets_its_
         for t in tasks.values():
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-    returns = [e for e in logs if e["event"] == "parent_return"]
+    returns = [e for e in logs if e["event"] == PARENT_RETURN]
     assert len(returns) >= 2  # both rollouts, logged
     assert all(e["to"] == "relay-a" and e["parent"] == "trainer" for e in returns)

@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from aurora.errors import ActorDead, RestartIntensityExceeded
+from aurora.events import CHILD_RESTARTING, CHILD_SHUTDOWN_TIMEOUT, RESTART_INTENSITY_EXCEEDED
 from aurora.runtime import Actor, ChildSpec, Supervisor
 
 EVENTS: list[str] = []
@@ -118,10 +119,10 @@ async def test_intensity_escalates_through_nested_supervisors() -> None:
         with pytest.raises(RestartIntensityExceeded, match="root"):
             await asyncio.wait_for(task, 5)
     names = [e["event"] for e in logs]
-    assert names.count("restart_intensity_exceeded") == 2  # inner, then root
-    inner_exceeded = next(e for e in logs if e["event"] == "restart_intensity_exceeded")
+    assert names.count(RESTART_INTENSITY_EXCEEDED) == 2  # inner, then root
+    inner_exceeded = next(e for e in logs if e["event"] == RESTART_INTENSITY_EXCEEDED)
     assert inner_exceeded["supervisor"] == "inner"
-    assert names.count("child_restarting") == 2  # exactly the budget, never more
+    assert names.count(CHILD_RESTARTING) == 2  # exactly the budget, never more
     _no_leaks(before)
 
 
@@ -160,7 +161,7 @@ async def test_shutdown_timeout_cancels_a_stuck_child() -> None:
     with capture_logs() as logs:
         sup.stop()
         await asyncio.wait_for(task, 3)
-    assert any(e["event"] == "child_shutdown_timeout" for e in logs)
+    assert any(e["event"] == CHILD_SHUTDOWN_TIMEOUT for e in logs)
     stuck.cancel()
 
 

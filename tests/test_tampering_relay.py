@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from aurora.auth.keys import generate_topology_keys
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
+from aurora.events import PARENT_ATTACHED, PARENT_FAILED, VERSION_COMMITTED, VERSION_PUBLISHED
 from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,13 +82,13 @@ async def test_children_of_a_tampering_relay_refuse_its_versions_and_end_bit_ide
     for r in ("r1", "r2"):
         assert nodes[r].flow.version == 12, f"{r} did not reach the last version"
         assert nodes[r].flow.digest == nodes["trainer"].flow.digest
-    published = {e["version"]: e["digest"] for e in logs if e["event"] == "version_published"}
-    commits = [e for e in logs if e["event"] == "version_committed" and e["version"] in published]
+    published = {e["version"]: e["digest"] for e in logs if e["event"] == VERSION_PUBLISHED}
+    commits = [e for e in logs if e["event"] == VERSION_COMMITTED and e["version"] in published]
     assert len(commits) >= 4  # a child that catches up jumps several versions in one commit
     assert all(published[e["version"]] == e["digest"] for e in commits), "a child committed a forged version"
-    failed = [e for e in logs if e["event"] == "parent_failed" and e["parent"] == "relay-bad"]
+    failed = [e for e in logs if e["event"] == PARENT_FAILED and e["parent"] == "relay-bad"]
     assert failed, "the tampering was never noticed"
     assert all("AuthError" in e["error"] for e in failed), failed
     # quarantined: after its failure no child attaches to the tampering relay again
-    attached = [e for e in logs if e["event"] == "parent_attached" and e["parent"] == "relay-bad"]
+    attached = [e for e in logs if e["event"] == PARENT_ATTACHED and e["parent"] == "relay-bad"]
     assert len(attached) <= 2  # at most once per child, before it was caught

@@ -31,6 +31,7 @@ from structlog.testing import capture_logs
 
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
+from aurora.events import CATCH_UP_SENT, NODE_RESUMED, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.testing.links import LinkNet
 
 STEPS = 8
@@ -170,13 +171,13 @@ async def _scenario(tmp: Path, schedule: list[tuple[Op, float]]) -> None:
 
     published: dict[int, str] = {}
     for e in events:
-        if e["event"] == "version_published":
+        if e["event"] == VERSION_PUBLISHED:
             assert published.setdefault(e["version"], e["digest"]) == e["digest"], "a version number reused"
     last: dict[str, int] = {}
     for e in events:
         if e["event"] == "life":
             last.pop(e["node"], None)
-        elif e["event"] == "version_committed":
+        elif e["event"] == VERSION_COMMITTED:
             n, v = e["node"], e["version"]
             assert v > last.get(n, -1), f"{n} committed {v} after {last.get(n)}"
             last[n] = v
@@ -248,7 +249,7 @@ async def test_a_node_far_behind_gets_one_composed_delta_and_a_restarted_relay_r
             # both have a version in their stores to resume from (logged once stored): a node that
             # attached late starts from a snapshot, and one killed before storing it has nothing
             def stored(n: str) -> bool:
-                return any(e["event"] == "version_committed" and e["node"] == n and e["version"] >= 2 for e in logs)
+                return any(e["event"] == VERSION_COMMITTED and e["node"] == n and e["version"] >= 2 for e in logs)
 
             async with asyncio.timeout(30):
                 while not (stored("r1") and stored("relay-b")):  # noqa: ASYNC110
@@ -267,8 +268,8 @@ async def test_a_node_far_behind_gets_one_composed_delta_and_a_restarted_relay_r
         finally:
             for n in list(h.tasks):
                 await h.kill(n)
-    assert len([e for e in logs if e["event"] == "node_resumed"]) == 2  # r1 and relay-b, from their stores
-    composed = [e for e in logs if e["event"] == "catch_up_sent" and e.get("composed")]
+    assert len([e for e in logs if e["event"] == NODE_RESUMED]) == 2  # r1 and relay-b, from their stores
+    composed = [e for e in logs if e["event"] == CATCH_UP_SENT and e.get("composed")]
     # (r1 may have been killed after committing its last version and before storing it)
     assert any(e["child"] == "r1" and (behind or 0) - 1 <= e["base"] <= (behind or 0) for e in composed), composed
     digest = h.nodes["trainer"].flow.digest

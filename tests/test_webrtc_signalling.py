@@ -13,6 +13,7 @@ from aurora.transport.webrtc import RtcConfig, WebRtcTransport, relay_signal, sd
 from structlog.testing import capture_logs
 
 from aurora.errors import ProtocolError, TransportClosed
+from aurora.events import WEBRTC_FINGERPRINT_MISMATCH
 from aurora.protocol.messages import Probe, RtcAnswer, RtcOffer, RtcRefused, Signal
 from aurora.testing.memory import MemoryChannel, memory_channel_pair
 from aurora.testing.webrtc import loopback_ice
@@ -81,7 +82,7 @@ async def test_an_offer_whose_sdp_fingerprint_differs_from_the_announced_one_is_
     assert "refused" in str(result)
     assert "fingerprint" in str(result)
     assert refused == ["rollout-a"]
-    assert any(e["event"] == "webrtc_fingerprint_mismatch" for e in logs)
+    assert any(e["event"] == WEBRTC_FINGERPRINT_MISMATCH for e in logs)
 
 
 def test_the_rendezvous_stamps_the_real_sender() -> None:

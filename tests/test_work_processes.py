@@ -20,6 +20,20 @@ from typing import Any
 
 import pytest
 
+from aurora.events import (
+    ENGINE_SWITCHED,
+    LEASE_EXPIRED,
+    LEASE_GIVEN_UP,
+    LEASES_GRANTED,
+    NODE_STARTED,
+    PARENT_ATTACHED,
+    RESULT_SENT,
+    STEP,
+    TRAINER_RESUMED,
+    VERSION_COMMITTED,
+    VERSION_PUBLISHED,
+    WORK_STARTED,
+)
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 80
@@ -51,7 +65,7 @@ def _lives(log: Path) -> list[list[dict[str, Any]]]:
     """A node's log split at each start (a restarted node appends to the same file)."""
     out: list[list[dict[str, Any]]] = []
     for e in log_events(log):
-        if not out or (e["event"] == "node_started" and any(x["event"] == "node_started" for x in out[-1])):
+        if not out or (e["event"] == NODE_STARTED and any(x["event"] == NODE_STARTED for x in out[-1])):
             out.append([])
         out[-1].append(e)
     return out
@@ -85,9 +99,9 @@ class Cluster:
         nor given up. Exact only while the worker is stopped (its log cannot grow)."""
         held: set[tuple[int, str]] = set()
         for e in log_events(self.logs[name]):
-            if e["event"] == "leases_granted":
+            if e["event"] == LEASES_GRANTED:
                 held |= {(int(i), str(t)) for i, t in e["leases"]}
-            elif e["event"] in ("result_sent", "lease_given_up"):
+            elif e["event"] in (RESULT_SENT, LEASE_GIVEN_UP):
                 held.discard((int(e["item"]), str(e["token"])))
         return held
 
@@ -95,7 +109,7 @@ class Cluster:
         return [e for e in log_events(self.logs[name]) if e["event"] == event]
 
     def version(self, name: str) -> int:
-        key = "version_published" if name == "trainer" else "version_committed"
+        key = VERSION_PUBLISHED if name == "trainer" else VERSION_COMMITTED
         return max((e["version"] for e in self.ev(name, key)), default=-1)
 
 
@@ -105,7 +119,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     try:
         c.start("trainer")
         c.start("relay")
-        wait_until(lambda: c.ev("relay", "parent_attached"), 180, "the relay to attach")
+        wait_until(lambda: c.ev("relay", PARENT_ATTACHED), 180, "the relay to attach")
         for r in NAMES[2:]:
             c.start(r)
         yield c
@@ -120,7 +134,7 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     c = cluster
     rollouts = NAMES[2:]
     # generous: on a clean checkout several processes compile the codec kernels at once on two cores
-    wait_until(lambda: c.version("trainer") >= 2 and all(c.ev(r, "engine_switched") for r in rollouts), 180,
+    wait_until(lambda: c.version("trainer") >= 2 and all(c.ev(r, ENGINE_SWITCHED) for r in rollouts), 180,
           "work under way on every rollout")  # fmt: skip
 
     # 1. a rollout dies holding leases: they expire at the trainer and the run goes on without it.
@@ -137,13 +151,13 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     c.kill("rollout-1")
     assert held, "rollout-1 never held a lease when looked at"
     killed_at = c.version("trainer")
-    expired = lambda: {(e["item"], e["token"]) for e in c.ev("trainer", "lease_expired") if e["worker"] == "rollout-1"}  # noqa: E731
+    expired = lambda: {(e["item"], e["token"]) for e in c.ev("trainer", LEASE_EXPIRED) if e["worker"] == "rollout-1"}  # noqa: E731
     wait_until(lambda: held <= expired(), 10, f"rollout-1's leases {sorted(held)} to expire")
     wait_until(lambda: c.version("trainer") >= killed_at + 2, 60, "steps without rollout-1")
 
     # 2. rollout-1 comes back: it catches up and gets work again
     c.start("rollout-1")
-    wait_until(lambda: len(_lives(c.logs["rollout-1"])) == 2 and "work_started" in {e["event"] for e in _lives(
+    wait_until(lambda: len(_lives(c.logs["rollout-1"])) == 2 and WORK_STARTED in {e["event"] for e in _lives(
         c.logs["rollout-1"])[1]}, 60, "rollout-1 to get work again")  # fmt: skip
 
     # 3. the trainer dies; restarted on its store it resumes from the last version it stored
@@ -151,8 +165,8 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     assert last < STEPS - 4, "the run ended before the trainer could be killed mid-run"
     c.kill("trainer")
     c.start("trainer")
-    wait_until(lambda: c.ev("trainer", "trainer_resumed"), 60, "the trainer to resume")
-    resumed = c.ev("trainer", "trainer_resumed")[-1]["version"]
+    wait_until(lambda: c.ev("trainer", TRAINER_RESUMED), 60, "the trainer to resume")
+    resumed = c.ev("trainer", TRAINER_RESUMED)[-1]["version"]
     # every version is stored before its last chunk leaves; the last one may be stored and not yet logged
     assert resumed in (last, last + 1)
 
@@ -160,24 +174,24 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     wait_until(lambda: c.version("trainer") >= STEPS, 10, "the trainer's last step")
 
     published: dict[int, str] = {}
-    for e in c.ev("trainer", "version_published"):
+    for e in c.ev("trainer", VERSION_PUBLISHED):
         assert published.setdefault(e["version"], e["digest"]) == e["digest"]
     assert sorted(published) == list(range(1, STEPS + 1))  # no version published twice with different weights
     for n in NAMES[1:]:
-        commits = c.ev(n, "version_committed")
+        commits = c.ev(n, VERSION_COMMITTED)
         for e in commits:
             assert e["digest"] == published.get(e["version"], e["digest"]), (n, e["version"])
         assert commits[-1]["version"] == STEPS
         assert commits[-1]["digest"] == published[STEPS], n
         for life in _lives(c.logs[n]):
-            versions = [e["version"] for e in life if e["event"] == "version_committed"]
+            versions = [e["version"] for e in life if e["event"] == VERSION_COMMITTED]
             assert versions == sorted(set(versions)), f"{n} went back or repeated a version: {versions}"
-    assert any(e["parent"] in ("relay", "trainer") for e in c.ev("relay", "parent_attached")[1:])
+    assert any(e["parent"] in ("relay", "trainer") for e in c.ev("relay", PARENT_ATTACHED)[1:])
     # rollout-1's second life: it caught up (a snapshot or deltas) and its results were accepted again
     lives = _lives(c.logs["rollout-1"])
     assert len(lives) == 2
-    assert {"engine_switched", "work_started"} <= {e["event"] for e in lives[1]}
-    steps = c.ev("trainer", "step")
+    assert {ENGINE_SWITCHED, WORK_STARTED} <= {e["event"] for e in lives[1]}
+    steps = c.ev("trainer", STEP)
     assert steps[-1]["accepted"] >= 12  # the resumed coordinator's own count
 
     for p in c.procs.values():  # SIGTERM: a clean stop, exit code 0

@@ -10,6 +10,7 @@ from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqClient, ZmqServer
 from structlog.testing import capture_logs
 
 from aurora.errors import TransportClosed
+from aurora.events import CURVE_CLIENT_REFUSED
 from aurora.protocol.messages import Probe
 
 CFG = LinkConfig(heartbeat_s=0.1, suspect_after_s=0.4, lost_after_s=0.8, max_frame_bytes=1024)
@@ -40,7 +41,7 @@ async def test_known_client_talks_unknown_client_is_refused() -> None:
             for c in (ok, intruder):
                 await c.close()
             await server.close()
-    assert any(e["event"] == "curve_client_refused" for e in logs)
+    assert any(e["event"] == CURVE_CLIENT_REFUSED for e in logs)
 
 
 async def test_curve_needs_both_sides_keys() -> None:

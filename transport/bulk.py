@@ -34,6 +34,7 @@ import structlog
 from aurora.transport.base import Channel, Message
 
 from aurora.errors import ProtocolError, TransportClosed
+from aurora.events import BULK_FRAME_REJECTED, BULK_RESUMED, BULK_STREAM_DROPPED
 from aurora.protocol import messages as wire
 from aurora.protocol.bulk import (
     DEFAULT_FRAME_BYTES,
@@ -120,7 +121,7 @@ async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, diges
             await ch.send(wire.BulkEnd(id=offer.id, round=rnd))
         except (TransportClosed, TimeoutError) as e:
             dead.append(ch)
-            log.warning("bulk_stream_dropped", transfer=offer.id, peer=ch.peer, error=str(e) or "stalled")
+            log.warning(BULK_STREAM_DROPPED, transfer=offer.id, peer=ch.peer, error=str(e) or "stalled")
 
     async with asyncio.TaskGroup() as tg:
         for ch in live:
@@ -154,7 +155,7 @@ class BulkReceiver:
             try:
                 asm.add(m.i, msg.buffers[0], m.d)
             except ProtocolError as e:
-                log.warning("bulk_frame_rejected", transfer=m.id, peer=ch.peer, error=str(e))
+                log.warning(BULK_FRAME_REJECTED, transfer=m.id, peer=ch.peer, error=str(e))
         else:
             rnd, streams, ends = self._round.get(m.id, (0, 0, 0))
             if m.round == rnd:
@@ -178,7 +179,7 @@ class BulkReceiver:
                 self._ctl.pop(oldest, None)
             asm = self.partial[offer.id] = BulkAssembly(offer)
         elif asm.held_frames:
-            log.info("bulk_resumed", transfer=offer.id, held_frames=asm.held_frames, frames=offer.frames)
+            log.info(BULK_RESUMED, transfer=offer.id, held_frames=asm.held_frames, frames=offer.frames)
         self._round[offer.id] = (h.round, h.streams, 0)
         self._ctl[offer.id] = ch
         if asm.complete:

@@ -31,6 +31,7 @@ import structlog
 from aurora.transport.base import Message, check_frame
 
 from aurora.errors import TransportClosed
+from aurora.events import BAD_MESSAGE, CHANNEL_CLOSED
 from aurora.logs import Throttle
 from aurora.protocol.messages import AppMessage, encode_app
 
@@ -124,7 +125,7 @@ class ChannelBase:
         self._fault_times.append(now)
         suppressed = _quiet.allow(self.peer, now)
         if suppressed is not None:
-            log.warning("bad_message", peer=self.peer, reason=reason[:300], suppressed=suppressed, faults=self.faults)
+            log.warning(BAD_MESSAGE, peer=self.peer, reason=reason[:300], suppressed=suppressed, faults=self.faults)
         if len(self._fault_times) == FAULTS_TO_CLOSE and now - self._fault_times[0] < FAULT_WINDOW_S:
             why = f"peer {self.peer!r} sent {FAULTS_TO_CLOSE} bad messages within {FAULT_WINDOW_S:g} s (last: {reason[:200]})"
             self.cut_off = True
@@ -167,7 +168,7 @@ class ChannelBase:
             self._closed_ev.set()
             self._inbox.put_nowait(None)
             self._on_shut()
-            log.info("channel_closed", peer=self.peer, reason=reason)
+            log.info(CHANNEL_CLOSED, peer=self.peer, reason=reason)
 
     # -- for subclasses
     async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:

@@ -67,6 +67,7 @@ from aurora.transport.base import (
 from aurora.transport.channel import ChannelBase
 
 from aurora.errors import ProtocolError, TransportClosed
+from aurora.events import WEBRTC_ACCEPTED, WEBRTC_FINGERPRINT_MISMATCH
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost
 from aurora.protocol.messages import (
     MAX_REASON_CHARS,
@@ -519,7 +520,7 @@ class WebRtcTransport:
         if not announced or announced != in_sdp:
             if len(self.refused) < 1000:
                 self.refused.append(peer)
-            log.warning("webrtc_fingerprint_mismatch", node=self.node_id, peer=peer, announced=sorted(announced)[:4],
+            log.warning(WEBRTC_FINGERPRINT_MISMATCH, node=self.node_id, peer=peer, announced=sorted(announced)[:4],
                         sdp=sorted(in_sdp)[:4])  # fmt: skip
             raise ProtocolError(f"WebRTC peer {peer!r}: DTLS fingerprint in the SDP differs from the one announced",
                                 remote=True)  # fmt: skip
@@ -568,7 +569,7 @@ class WebRtcTransport:
         ch.on_close(lambda: self._closed_one(peer))
         assert self._tg is not None
         ch.start_in(self._tg)
-        log.info("webrtc_accepted", node=self.node_id, peer=peer, id=cid)
+        log.info(WEBRTC_ACCEPTED, node=self.node_id, peer=peer, id=cid)
         self._accepted.put_nowait(ch)
 
 

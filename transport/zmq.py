@@ -60,6 +60,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from aurora.auth.keys import CurveKeys, NodeKeys
 from aurora.errors import ConfigError, ProtocolError, TransportClosed
+from aurora.events import BAD_FRAME, CURVE_CLIENT_REFUSED
 from aurora.logs import Throttle
 from aurora.protocol import Heartbeat, PeerLiveness, PeerLost, PeerRejoined
 from aurora.protocol.messages import (
@@ -242,7 +243,7 @@ class _Endpoint:
         now = asyncio.get_running_loop().time()
         suppressed = _quiet.allow(f"{self.node_id}/{source}", now)
         if suppressed is not None:
-            log.warning("bad_frame", node=self.node_id, source=source, reason=reason[:300], suppressed=suppressed)
+            log.warning(BAD_FRAME, node=self.node_id, source=source, reason=reason[:300], suppressed=suppressed)
         if peer is not None:
             times = self._bad.setdefault(peer, deque(maxlen=BAD_FRAMES_TO_BAN))
             times.append(now)
@@ -363,7 +364,7 @@ class ZmqServer(_Endpoint):
                 self.refused.append(key)
             suppressed = _quiet.allow(f"{self.node_id}/zap", asyncio.get_running_loop().time())
             if suppressed is not None:
-                log.warning("curve_client_refused", server=self.node_id, client_key=key.decode(errors="replace"),
+                log.warning(CURVE_CLIENT_REFUSED, server=self.node_id, client_key=key.decode(errors="replace"),
                             suppressed=suppressed)  # fmt: skip
         return ok
 

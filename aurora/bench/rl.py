@@ -42,6 +42,7 @@ import yaml
 from aurora.config.rl import ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError
+from aurora.events import ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.metrics import collect
 from aurora.run import run
@@ -87,7 +88,7 @@ def cpu_per_step(path: Path, first: int, last: int, roles: dict[str, str]) -> di
 def measure(state: Path, trainer: str, rollouts: list[str], warmup: int,
             roles: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     events = read_events(state / f"{trainer}.log")
-    steps = [e for e in events if e.get("event") == "step"]
+    steps = [e for e in events if e.get("event") == STEP]
     if len(steps) <= warmup + 1:
         raise ConfigError(f"the run made {len(steps)} steps; need more than warmup + 1 = {warmup + 1}")
     t0, t1 = event_time(steps[warmup]), event_time(steps[-1])
@@ -97,7 +98,7 @@ def measure(state: Path, trainer: str, rollouts: list[str], warmup: int,
         sw = [
             e
             for e in read_events(state / f"{r}.log")
-            if e.get("event") == "engine_switched" and e.get("from_version") is not None and t0 <= event_time(e) <= t1
+            if e.get("event") == ENGINE_SWITCHED and e.get("from_version") is not None and t0 <= event_time(e) <= t1
         ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
     rows = [r for r in collect(events) if r["version"] > warmup]
@@ -123,10 +124,10 @@ def _trust(state: Path, trainer: str, others: list[str], events: list[dict[str, 
     def within(e: dict[str, Any]) -> bool:
         return t0 <= event_time(e) <= t1
 
-    pubs = [e for e in events if e.get("event") == "version_published" and e.get("seal_s") is not None and within(e)]
+    pubs = [e for e in events if e.get("event") == VERSION_PUBLISHED and e.get("seal_s") is not None and within(e)]
     commits = [e for n in others for e in read_events(state / f"{n}.log")
-               if e.get("event") == "version_committed" and e.get("verify_s") is not None and within(e)]  # fmt: skip
-    checks = [e["validate_us"] for e in events if e.get("event") == "step" and e.get("validate_us") is not None]
+               if e.get("event") == VERSION_COMMITTED and e.get("verify_s") is not None and within(e)]  # fmt: skip
+    checks = [e["validate_us"] for e in events if e.get("event") == STEP and e.get("validate_us") is not None]
 
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None

@@ -47,6 +47,7 @@ from aurora.codec.warm import warm_up
 from aurora.config.rl import SyntheticSpec
 from aurora.config.topology import load_topology
 from aurora.errors import AuroraError
+from aurora.events import NODE_STARTED, PARENT_ATTACHED, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.rl.learners.synthetic import SyntheticLearner
 from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
@@ -207,38 +208,38 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
              f"(calibrated: encode {enc * 1e3:.0f} ms, decode {dec * 1e3:.0f} ms)")  # fmt: skip
     try:
         cl.start("trainer", "us")
-        cl.wait(lambda: bool(cl.events("trainer", "node_started")), START_TIMEOUT_S, "the trainer to start")
+        cl.wait(lambda: bool(cl.events("trainer", NODE_STARTED)), START_TIMEOUT_S, "the trainer to start")
         relays = [(f"relay-{r}", r) for r in REGIONS[1:]] if c.tree else []
         for n, r in relays:
             cl.start(n, r)
-        cl.wait(lambda: all(cl.events(n, "parent_attached") for n, _ in relays), START_TIMEOUT_S, "the relays")
+        cl.wait(lambda: all(cl.events(n, PARENT_ATTACHED) for n, _ in relays), START_TIMEOUT_S, "the relays")
         rollouts = [(f"rollout-{r}-{i + 1}", r) for r in REGIONS for i in range(ROLLOUTS_PER_REGION)]
         for n, r in rollouts:
             cl.start(n, r)
-        cl.wait(lambda: all(cl.events(n, "parent_attached") for n, _ in rollouts), START_TIMEOUT_S, "the rollouts")
+        cl.wait(lambda: all(cl.events(n, PARENT_ATTACHED) for n, _ in rollouts), START_TIMEOUT_S, "the rollouts")
         others = [n for n, _ in relays + rollouts]
         # ready once every node holds weights (its first commit: the snapshot it got on attaching)
-        cl.wait(lambda: all(cl.events(n, "version_committed") for n in others), START_TIMEOUT_S + 20 * est,
+        cl.wait(lambda: all(cl.events(n, VERSION_COMMITTED) for n in others), START_TIMEOUT_S + 20 * est,
                 "every node's first weights")  # fmt: skip
-        ready = max(event_time(cl.events(n, "version_committed")[0]) for n in others)
+        ready = max(event_time(cl.events(n, VERSION_COMMITTED)[0]) for n in others)
 
         def timed() -> dict[int, tuple[int, float]]:
             """version -> (bytes, publication start to the last commit), from the logs (one clock: one host)."""
             commits: dict[int, list[float]] = {}
             for n in others:
-                for e in cl.events(n, "version_committed"):
+                for e in cl.events(n, VERSION_COMMITTED):
                     commits.setdefault(e["version"], []).append(event_time(e))
             out = {}
-            for e in cl.events("trainer", "version_published"):
+            for e in cl.events("trainer", VERSION_PUBLISHED):
                 began, got = event_time(e) - float(e["publish_s"]), commits.get(e["version"], [])
                 if began > ready and len(got) == len(others):
                     out[e["version"]] = (int(e["bytes"]), max(got) - began)
             return dict(sorted(out.items())[1:])  # the first one after attaching is warm-up
 
         cl.wait(lambda: len(timed()) >= 1, 2 * interval + 2 * est + 60, "the warm-up version")
-        cpu0, n0 = cl.cpu_s(), len(cl.events("trainer", "version_published"))
+        cpu0, n0 = cl.cpu_s(), len(cl.events("trainer", VERSION_PUBLISHED))
         cl.wait(lambda: len(timed()) >= versions, (versions + 2) * (interval + 2 * est + 30), f"{versions} versions")
-        cpu_per_version = (cl.cpu_s() - cpu0) / max(1, len(cl.events("trainer", "version_published")) - n0)
+        cpu_per_version = (cl.cpu_s() - cpu0) / max(1, len(cl.events("trainer", VERSION_PUBLISHED)) - n0)
         counted = list(timed().values())[:versions]
         nbytes = int(statistics.median(b for b, _ in counted))
         secs = statistics.median(t for _, t in counted)

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import structlog
 
 from aurora.errors import ActorDead, RestartIntensityExceeded
+from aurora.events import CHILD_EXITED, CHILD_RESTARTING, CHILD_SHUTDOWN_TIMEOUT, RESTART_INTENSITY_EXCEEDED
 from aurora.protocol.restart import RestartBudget
 from aurora.runtime.actor import Actor, ActorCell, ActorRef, Exit
 from aurora.runtime.clock import Clock, LoopClock
@@ -238,7 +239,7 @@ class Supervisor:
     async def _on_exit(self, c: _Child, how: Exit, err: BaseException | None) -> None:
         spec = c.spec
         log.warning(
-            "child_exited", supervisor=self.name, child=spec.name, exit=how.value,
+            CHILD_EXITED, supervisor=self.name, child=spec.name, exit=how.value,
             error=repr(err) if err else None,
         )  # fmt: skip
         c.task = None
@@ -248,7 +249,7 @@ class Supervisor:
         now = self.clock.now()
         if not self.budget.allow(now):
             log.error(
-                "restart_intensity_exceeded", supervisor=self.name, child=spec.name,
+                RESTART_INTENSITY_EXCEEDED, supervisor=self.name, child=spec.name,
                 max_restarts=self.budget.max_restarts, within_s=self.budget.within_s,
             )  # fmt: skip
             raise RestartIntensityExceeded(
@@ -265,7 +266,7 @@ class Supervisor:
         others = [g for g in group if g is not c and g.task is not None]
         await self._shutdown(others)
         delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.budget.recent(now) - 1)) if self.backoff_s else 0
-        log.info("child_restarting", supervisor=self.name, child=spec.name, strategy=self.strategy,
+        log.info(CHILD_RESTARTING, supervisor=self.name, child=spec.name, strategy=self.strategy,
                  group=[g.spec.name for g in group], backoff_s=delay)  # fmt: skip
         if delay:
             await self.clock.sleep(delay)
@@ -290,7 +291,7 @@ class Supervisor:
             try:
                 await self.clock.wait_for(asyncio.shield(c.exit_seen.wait()), c.spec.shutdown_timeout_s)
             except TimeoutError:
-                log.warning("child_shutdown_timeout", supervisor=self.name, child=c.spec.name,
+                log.warning(CHILD_SHUTDOWN_TIMEOUT, supervisor=self.name, child=c.spec.name,
                             timeout_s=c.spec.shutdown_timeout_s)  # fmt: skip
                 task.cancel()
                 await c.exit_seen.wait()
