@@ -209,6 +209,53 @@ def test_apply_in_place_and_receiver_staging() -> None:
     assert work2.digest() == t.digest()
 
 
+@given(weight_pairs(), st.sampled_from(["sparse", "conditioned"]), st.randoms(use_true_random=False))
+def test_decoding_as_chunks_arrive_changes_nothing_but_when(
+    pair: tuple[Weights, Weights], how: str, rnd: object
+) -> None:
+    """`decode_arrived` between arrivals (at random points, chunks in any order) leaves `stage` with less to do
+    and the commit exactly what it would be without it; a base other than the one decoded against is
+    decoded anew."""
+    import random
+
+    assert isinstance(rnd, random.Random)
+    b, t = pair
+    d = encode(b, t, base_version=0, target_version=1, coding=Coding(how))
+    rx = DeltaReceiver(d.manifest)
+    work = b.copy()
+    chunks = list(d.chunks)
+    rnd.shuffle(chunks)
+    decoded = 0
+    for c in chunks:
+        rx.add(c)
+        if rnd.random() < 0.5:
+            decoded += rx.decode_arrived(work, threads=rnd.choice([1, 2]))
+    assert decoded <= len(chunks)
+    rx.stage(work).commit(work)
+    assert work.digest() == t.digest()
+    other = b.copy()  # decoded against `work` before it changed: not reused for another base
+    rx2 = DeltaReceiver(d.manifest)
+    rx2.add_all(d.chunks)
+    rx2.decode_arrived(work)
+    rx2.stage(other).commit(other)
+    assert other.digest() == t.digest()
+
+
+def test_decoding_ahead_reports_nothing_and_stage_still_refuses_a_wrong_base_or_a_bad_body() -> None:
+    b = Weights.from_tensors({"w": torch.randn(20_000).to(torch.bfloat16)})
+    t = perturb(b, 0.05, 6)
+    d = encode(b, t, base_version=0, target_version=1)
+    wrong = perturb(b, 0.05, 7)  # same layout, other bits: decoding against it may work or fail
+    rx = DeltaReceiver(d.manifest)
+    rx.add_all(d.chunks)
+    rx.decode_arrived(wrong)  # never raises
+    with pytest.raises(DeltaFormatError, match="wrong base"):
+        rx.stage(wrong)
+    assert rx.decode_arrived(Weights.from_tensors({"x": torch.zeros(3)})) == 0  # another layout: nothing to do
+    rx.stage(b).commit(w := b.copy())
+    assert w.digest() == t.digest()
+
+
 def test_threads_give_identical_bytes_and_results() -> None:
     b = Weights.from_tensors({"w": torch.randn(5_000_000).to(torch.bfloat16), "v": torch.randn(100)})
     t = perturb(b, 0.01, 4)

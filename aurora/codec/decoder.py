@@ -53,6 +53,9 @@ class DeltaReceiver:
         self.manifest = manifest
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self.bytes_received = 0
+        self._ahead: dict[tuple[int, int], Patch | None] = {}
+        """Chunks decoded as they came (`decode_arrived`), against `_ahead_base`."""
+        self._ahead_base: Weights | None = None
 
     @property
     def expected(self) -> int:
@@ -118,8 +121,38 @@ class DeltaReceiver:
         for c in chunks:
             self.add(c)
 
+    def decode_arrived(self, base: Weights | None, *, threads: int = 1) -> int:
+        """Decode the chunks that have arrived and are not decoded yet against ``base`` — the very
+        weights `stage` will be given, unchanged until then (None for a snapshot) — so that `stage`
+        has only the rest left: a receiver overlaps decoding with the transfer. Returns how many it
+        decoded. A chunk that fails to decode is left for `stage`, which checks the base first and
+        reports the error; nothing is raised here. May run in a worker thread while `add` takes more
+        chunks; not at the same time as itself or `stage`."""
+        if base is not self._ahead_base:
+            self._ahead, self._ahead_base = {}, base
+        m = self.manifest
+        if base is not None:
+            try:
+                check_layout(m, base)
+            except DeltaFormatError:
+                return 0
+        todo = [item for item in list(self._chunks.items()) if item[0] not in self._ahead]
+
+        def decode(item: tuple[tuple[int, int], Chunk]) -> tuple[tuple[int, int], Patch | None] | None:
+            (ti, ci), c = item
+            entry = m.tensors[ti]
+            try:
+                return (ti, ci), decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
+            except DeltaFormatError:
+                return None
+
+        done = [r for r in ordered_map(decode, todo, threads) if r is not None]
+        self._ahead.update(done)
+        return len(done)
+
     def stage(self, base: Weights | None, *, base_checked: bool = False, threads: int = 1) -> StagedDelta:
-        """Decode every chunk against ``base`` (unchanged) into patches.
+        """Decode every chunk against ``base`` (unchanged) into patches; what `decode_arrived` decoded
+        against this very ``base`` is taken as it is.
 
         Checks the base's tensor digests first unless ``base_checked`` (the caller
         already knows its version digest equals the manifest's base digest).
@@ -132,10 +165,13 @@ class DeltaReceiver:
         if not self.complete:
             raise DeltaFormatError(f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
                                    f"chunks missing, e.g. {self.missing(3)}")  # fmt: skip
+        ahead = self._ahead if base is self._ahead_base else {}
 
         def decode(item: tuple[tuple[int, int], Chunk]) -> Patch | None:
-            (ti, _ci), c = item
-            entry = m.tensors[ti]
+            key, c = item
+            if key in ahead:
+                return ahead[key]
+            entry = m.tensors[key[0]]
             return decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
 
         patches = [p for p in ordered_map(decode, sorted(self._chunks.items()), threads) if p is not None]
