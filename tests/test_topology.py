@@ -64,6 +64,7 @@ _DELETE = object()
 
 BAD: list[tuple[str, Any, str, str]] = [
     ("nodes.2.colour", "red", "nodes[2].colour", "unknown key"),
+    ("learner", {"kind": "grpo", "learning_rate": 1e-3}, "learner.learning_rate", "unknown key"),
     ("nodes.1.egress_mbit", "fast", "nodes[1].egress_mbit", "expected a number"),
     ("nodes.2.role", "worker", "nodes[2].role", "expected one of"),
     ("nodes.2.parent", "nobody", "nodes[2].parent", "no node named 'nobody'"),
@@ -101,6 +102,20 @@ def test_a_bad_file_names_the_file_and_the_path(tmp_path: Path, where: str, valu
         load_topology(f)
     assert e.value.file == str(f)
     assert e.value.path == path
+
+
+def test_topology_check_names_a_typo_under_learner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The RL sections are typed when the file loads, not when a node starts: `aurora topology
+    check` names a misspelt learner key (with the keys it allows) in one line, and exits 2."""
+    from aurora.cli import EXIT_USER_ERROR, main
+
+    f = tmp_path / "typo.yaml"
+    f.write_text(yaml.safe_dump({**_base(), "learner": {"kind": "grpo", "learning_rate": 1e-3}}))
+    assert main(["topology", "check", str(f)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"aurora: error: {f}:learner.learning_rate: unknown key (allowed: ")
+    assert " lr," in err
+    assert "\n" not in err
 
 
 def test_cycles_and_relays_without_a_path_to_the_trainer_are_refused(tmp_path: Path) -> None:
