@@ -333,6 +333,44 @@ def test_changed_positions_by_words_equal_a_plain_compare(
     assert got.tolist() == np.flatnonzero(base != target).tolist()
 
 
+@given(
+    st.integers(0, 3000), st.integers(0, 3000), st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+    st.sampled_from([1, 2]), st.integers(0, 2**31),
+)  # fmt: skip
+def test_two_spans_side_by_side_give_what_each_gives_alone(
+    na: int, nb: int, density: float, tr: int, seed: int
+) -> None:
+    """`find_changes_pair` and `locate_pair` (two count chains at once) return exactly the two results of
+    `find_changes` and `locate`, for spans of any two lengths (one longer, one empty) and densities."""
+    from aurora.codec import kernels
+
+    rng = np.random.default_rng(seed)
+    spans = []
+    for n in (na, nb):
+        base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        target = base.copy()
+        target[rng.random(n) < density] += np.uint16(1)
+        spans.append((base, target))
+    (ba, ta), (bb, tb) = spans
+    alone = [kernels.find_changes(b, t, 7, 0xFF, 16, tr) for b, t in spans]
+    paired = kernels.find_changes_pair(ba, ta, bb, tb, 7, 0xFF, 16, tr)
+    for one, two in zip(alone, paired, strict=True):
+        assert [a.tolist() for a in one] == [a.tolist() for a in two]
+    decoded = []
+    for (b, _t), (idx, rank, buck, step) in zip(spans, alone, strict=True):
+        out = np.empty(max(64, 4 * b.nbytes), np.uint8)
+        size = kernels.encode_body(rank, buck, step, 256, 16, tr, out)
+        status, first, ranks, vals = kernels.decode_body(out[:size].copy(), idx.size, b.size, 256, 16, tr)
+        assert status == 0
+        decoded.append((first, ranks, vals, idx.size))
+    got = kernels.locate_pair(ba, *decoded[0], bb, *decoded[1], 7, 0xFF, 16, tr)
+    for (b, _t), dec, (status, idx, new) in zip(spans, decoded, (got[:3], got[3:]), strict=True):
+        want = kernels.locate(b, 7, 0xFF, *dec, 16, tr)
+        assert status == want[0] == 0
+        assert idx.tolist() == want[1].tolist()
+        assert new.tolist() == want[2].tolist()
+
+
 def test_bench_codec_scale_measures_both_sides_and_every_kernel() -> None:
     from aurora.bench.codec_scale import format_scale, run_scale
 

@@ -13,7 +13,7 @@ the tensors exactly as they were and raises `DeltaFormatError`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,15 +138,13 @@ class DeltaReceiver:
                 return 0
         todo = [item for item in list(self._chunks.items()) if item[0] not in self._ahead]
 
-        def decode(item: tuple[tuple[int, int], Chunk]) -> tuple[tuple[int, int], Patch | None] | None:
-            (ti, ci), c = item
-            entry = m.tensors[ti]
+        def decode(group: list[tuple[tuple[int, int], Chunk]]) -> list[tuple[tuple[int, int], Patch | None]]:
             try:
-                return (ti, ci), decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
+                return list(zip([k for k, _ in group], decode_group(m, group, base), strict=True))
             except DeltaFormatError:
-                return None
+                return []
 
-        done = [r for r in ordered_map(decode, todo, threads) if r is not None]
+        done = [r for rs in ordered_map(decode, located_pairs(sorted(todo)), threads) for r in rs]
         self._ahead.update(done)
         return len(done)
 
@@ -166,16 +164,51 @@ class DeltaReceiver:
             raise DeltaFormatError(f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
                                    f"chunks missing, e.g. {self.missing(3)}")  # fmt: skip
         ahead = self._ahead if base is self._ahead_base else {}
-
-        def decode(item: tuple[tuple[int, int], Chunk]) -> Patch | None:
-            key, c = item
-            if key in ahead:
-                return ahead[key]
-            entry = m.tensors[key[0]]
-            return decode_chunk(c, entry.name, base[entry.name] if base is not None else None)
-
-        patches = [p for p in ordered_map(decode, sorted(self._chunks.items()), threads) if p is not None]
+        todo = [item for item in sorted(self._chunks.items()) if item[0] not in ahead]
+        fresh = dict(r for rs in ordered_map(lambda g: zip([k for k, _ in g], decode_group(m, g, base), strict=True),
+                                             located_pairs(todo), threads) for r in rs)  # fmt: skip
+        patches = [p for key in sorted(self._chunks) if (p := ahead[key] if key in ahead else fresh[key]) is not None]
         return StagedDelta(m, patches)
+
+
+def located_pairs(items: list[tuple[tuple[int, int], Chunk]]) -> Iterator[list[tuple[tuple[int, int], Chunk]]]:
+    """``items`` (in order) as decoding jobs: two at a time where both are DELTA chunks with changes of one
+    dtype — their base scans run side by side (`kernels.locate_pair`) — else one."""
+    held: tuple[tuple[int, int], Chunk] | None = None
+    for item in items:
+        h = item[1].header
+        if h.kind is not ChunkKind.DELTA or h.n_changed == 0:
+            yield [item]
+        elif held is None:
+            held = item
+        elif held[1].header.dtype == h.dtype:
+            yield [held, item]
+            held = None
+        else:
+            yield [held]
+            held = item
+    if held is not None:
+        yield [held]
+
+
+def decode_group(m: Manifest, group: list[tuple[tuple[int, int], Chunk]], base: Weights | None) -> list[Patch | None]:
+    """The patches of one job of `located_pairs`, against ``base``; raises `DeltaFormatError` naming the chunk."""
+    names = [m.tensors[ti].name for (ti, _ci), _c in group]
+    if len(group) == 1:
+        c = group[0][1]
+        return [decode_chunk(c, names[0], base[names[0]] if base is not None else None)]
+    assert base is not None
+    (ca, cb), d = [c for _, c in group], group[0][1].header.dtype
+    ha, hb = ca.header, cb.header
+    sa, ia, xa, sb, ib, xb = kernels.locate_pair(
+        base[names[0]].bits[ha.start : ha.stop], *decode_ranks(ca, names[0]), ha.n_changed,
+        base[names[1]].bits[hb.start : hb.stop], *decode_ranks(cb, names[1]), hb.n_changed,
+        d.exp_shift, d.exp_mask, d.width, int(ha.transform),
+    )  # fmt: skip
+    for status, c, name in ((sa, ca, names[0]), (sb, cb, names[1])):
+        if status != 0:
+            raise DeltaFormatError(f"{_chunk_named(c, name)}: {_ERRORS[-status]}")
+    return [Patch(names[0], ha.start, ia + ha.start, xa), Patch(names[1], hb.start, ib + hb.start, xb)]
 
 
 def check_layout(m: Manifest, weights: Weights) -> None:

@@ -188,7 +188,13 @@ def iter_chunks(
     def coding_here(name: str) -> Coding:
         return coding_of(coding, name) if manifest.format >= FORMAT_VERSION else Coding.CONDITIONED
 
-    def jobs() -> Iterator[tuple[int, int]]:
+    def ranked(ti: int) -> bool:
+        """The tensor's spans are found by the rank scan here (conditioned, against a base)."""
+        return base is not None and find is None and coding_here(manifest.tensors[ti].name) is Coding.CONDITIONED
+
+    def jobs() -> Iterator[tuple[tuple[int, int], ...]]:
+        """The chunks in order, two at a time where both are ranked spans of one dtype (`code`)."""
+        held: tuple[int, int] | None = None
         for ti, entry in enumerate(manifest.tensors):
             if not manifest.carries(entry):  # unchanged: no chunks, no scan
                 if stats is not None:
@@ -196,21 +202,48 @@ def iter_chunks(
                     stats.weight_bytes += entry.numel * entry.dtype.itemsize
                 continue
             for ci in range(entry.n_chunks):
-                yield ti, ci
+                if held is not None and (not ranked(ti) or manifest.tensors[held[0]].dtype != entry.dtype):
+                    yield (held,)
+                    held = None
+                if not ranked(ti):
+                    yield ((ti, ci),)
+                elif held is None:
+                    held = (ti, ci)
+                else:
+                    yield held, (ti, ci)
+                    held = None
+        if held is not None:
+            yield (held,)
 
-    def code(job: tuple[int, int]) -> tuple[int, int, ChunkKind, int, bytes]:
-        ti, ci = job
-        entry = manifest.tensors[ti]
-        src = base[entry.name] if base is not None else None
-        start, stop = chunk_range(entry.numel, entry.dtype, ci)
-        found = find(ti, ci) if find is not None and src is not None else None
-        kind, n, body = encode_span(src, target[entry.name], start, stop, manifest.transform, found,
-                                    coding_here(entry.name))  # fmt: skip
-        tr = manifest.transform if kind is ChunkKind.DELTA else Transform.NONE
-        h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
-        return ti, ci, kind, n, pack_chunk(h, body)
+    def span(job: tuple[int, int]) -> tuple[TensorBits | None, TensorBits, int, int]:
+        entry = manifest.tensors[job[0]]
+        start, stop = chunk_range(entry.numel, entry.dtype, job[1])
+        return (base[entry.name] if base is not None else None), target[entry.name], start, stop
 
-    for ti, ci, kind, n, packed in ordered_map(code, jobs(), threads):
+    def code(group: tuple[tuple[int, int], ...]) -> list[tuple[int, int, ChunkKind, int, bytes]]:
+        """Code one chunk, or two ranked ones whose scans run side by side (`kernels.find_changes_pair`)."""
+        found: list[Changes | None] = [None] * len(group)
+        if len(group) == 2:
+            (ba, ta, a0, a1), (bb, tb, b0, b1) = span(group[0]), span(group[1])
+            assert ba is not None
+            assert bb is not None
+            d = ta.dtype
+            found[0], found[1] = kernels.find_changes_pair(ba.bits[a0:a1], ta.bits[a0:a1], bb.bits[b0:b1],
+                                                           tb.bits[b0:b1], d.exp_shift, d.exp_mask, d.width,
+                                                           int(manifest.transform))  # fmt: skip
+        elif find is not None and base is not None:
+            found[0] = find(*group[0])
+        out = []
+        for (ti, ci), changes in zip(group, found, strict=True):
+            src, tgt, start, stop = span((ti, ci))
+            entry = manifest.tensors[ti]
+            kind, n, body = encode_span(src, tgt, start, stop, manifest.transform, changes, coding_here(entry.name))
+            tr = manifest.transform if kind is ChunkKind.DELTA else Transform.NONE
+            h = ChunkHeader(kind, tr, entry.dtype, ti, ci, start, stop, n, len(body), manifest.delta_id)
+            out.append((ti, ci, kind, n, pack_chunk(h, body)))
+        return out
+
+    for ti, ci, kind, n, packed in (r for rs in ordered_map(code, jobs(), threads) for r in rs):
         entry = manifest.tensors[ti]
         start, stop = chunk_range(entry.numel, entry.dtype, ci)
         if stats is not None:
