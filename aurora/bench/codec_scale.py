@@ -231,17 +231,35 @@ def kernel_profile(n: int = 16 << 20, density: float = 0.01, reps: int = 3) -> l
     args = (d.exp_shift, d.exp_mask, d.width, 2)
     idx, rank, buck, step = kernels.find_changes(b, t, *args)
     out = np.empty(b.nbytes, np.uint8)
-    body = out[: kernels.encode_body(rank, buck, step, d.n_buckets, d.width, 2, out)].copy()
+
+    def body_of(changes: tuple[np.ndarray, ...]) -> np.ndarray:
+        _, r, e, s = changes
+        return out[: kernels.encode_body(r, e, s, d.n_buckets, d.width, 2, out)].copy()
+
+    body = body_of((idx, rank, buck, step))
     _, first, ranks, vals = kernels.decode_body(body, idx.size, b.size, d.n_buckets, d.width, 2)
     _, where, new = kernels.locate(b, d.exp_shift, d.exp_mask, first, ranks, vals, idx.size, d.width, 2)
     dst, old = b.copy(), np.empty_like(new)
+    h = n // 2  # the span's halves as two spans, for the kernels that rank two at once
+    pair = [kernels.find_changes(b[:h], t[:h], *args), kernels.find_changes(b[h:], t[h:], *args)]
+    runs = [
+        kernels.decode_body(body_of(r), r[0].size, m, d.n_buckets, d.width, 2)[1:]
+        for r, m in zip(pair, (h, n - h), strict=True)
+    ]
     steps: list[tuple[str, Callable[[], object]]] = [
         ("find_changes (scan, ranks)", lambda: kernels.find_changes(b, t, *args)),
+        ("find_changes_pair (2 halves)", lambda: kernels.find_changes_pair(b[:h], t[:h], b[h:], t[h:], *args)),
         ("encode_body (range coder)", lambda: kernels.encode_body(rank, buck, step, d.n_buckets, d.width, 2, out)),
         ("decode_body (range decoder)", lambda: kernels.decode_body(body, idx.size, b.size, d.n_buckets, d.width, 2)),
         (
             "locate (scan, ranks)",
             lambda: kernels.locate(b, d.exp_shift, d.exp_mask, first, ranks, vals, idx.size, d.width, 2),
+        ),
+        (
+            "locate_pair (2 halves)",
+            lambda: kernels.locate_pair(
+                b[:h], *runs[0], pair[0][0].size, b[h:], *runs[1], pair[1][0].size, d.exp_shift, d.exp_mask, d.width, 2
+            ),
         ),
         ("scatter", lambda: kernels.scatter(dst, where, new, old)),
         ("digest (xxh3 of the span)", lambda: tensor_digest(t)),
