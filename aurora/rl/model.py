@@ -136,11 +136,11 @@ def init_model_dir(path: Path, preset: str = "tiny", seed: int = 0, max_position
     """Write a freshly initialised model and the character tokenizer to ``path`` (refuses a non-empty one)."""
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"{path} exists and is not empty; give a new directory")
+    from aurora.store.atomic import publish_dir  # (the store package loads the codec: only when writing)
+
     model = build_model(ModelSpec(preset=preset, seed=seed, max_positions=max_positions))
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    char_tokenizer().save_pretrained(tmp)
-    if path.exists():
-        path.rmdir()
-    tmp.rename(path)  # a half-written directory never looks like a model
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with publish_dir(path) as tmp:  # a half-written directory never looks like a model
+        model.save_pretrained(tmp)
+        char_tokenizer().save_pretrained(tmp)
     return path

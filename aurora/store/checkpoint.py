@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from aurora.errors import CheckpointError
+from aurora.store.atomic import atomic_path
 
 
 def _resolve(path: Path) -> tuple[Path, list[Path]]:
@@ -65,14 +66,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 def save_checkpoint(
     tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str] | None = None
 ) -> None:
-    """Write one safetensors file atomically (temp file, fsync, rename)."""
+    """Write one safetensors file atomically (`aurora.store.atomic`: whole or not at all)."""
     p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        with tmp.open("rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
+        with atomic_path(p) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{p}: cannot write checkpoint: {e.strerror}") from None

@@ -30,8 +30,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, 
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.tasks import Task
 from aurora.rl.types import Completion, Prompt
+from aurora.store.atomic import publish_dir
 
 log = structlog.get_logger("aurora.grpo")
 
@@ -384,14 +383,13 @@ class GrpoLearner:
     def save_checkpoint(self, version: int) -> Path:
         assert self.checkpoint_dir is not None
         dest = self.checkpoint_dir / f"v{version:08d}"
-        tmp = self.checkpoint_dir / f".tmp-v{version:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({n: p.detach().contiguous() for n, p in self.params.items()}, str(tmp / "master.safetensors"))
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-        (tmp / "meta.json").write_text(json.dumps({"version": version, "spec": self.spec.kind}))
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)  # a checkpoint is whole or absent
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # whole or not there, and one of this version (from a trainer's earlier life) is swapped out, never
+        # deleted first: a crash at any point leaves a checkpoint to resume from
+        with publish_dir(dest, replace=True) as tmp:
+            save_file({n: p.detach().contiguous() for n, p in self.params.items()}, str(tmp / "master.safetensors"))
+            torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+            (tmp / "meta.json").write_text(json.dumps({"version": version, "spec": self.spec.kind}))
         log.info("checkpoint_saved", version=version, path=str(dest))
         return dest
 
