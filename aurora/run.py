@@ -11,7 +11,8 @@ holds the last one — or on Ctrl-C / SIGTERM. Nodes are stopped children first
 A node that exits on its own is an error that names the node and its last log line.
 At every step the trainer logs, the CPU time each node process has used so far
 is appended to ``STATE/cpu.jsonl`` (``{"version": v, "cpu_s": {node: s}}``, read
-from ``/proc``; absent where there is none): what `aurora bench rl` splits by role.
+with `aurora.runtime.processes.cpu_s`; a node that is gone is left out): what `aurora bench rl`
+splits by role.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
 from aurora.protocol.messages import Snapshot
 from aurora.rl.model import init_model_dir
+from aurora.runtime.processes import cpu_s, end_groups, start_group
 
 Progress = Callable[..., None]
 """``progress(text)``: show a message; ``progress((snapshot, line), redraw=True)``: the cluster's status now
@@ -84,8 +86,7 @@ class Cluster:
                 "--name", name]  # fmt: skip
         argv += ["--store", str(self.state / name), "--threads", str(self.codec_threads)]
         env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                             env=env)  # fmt: skip
+        p = start_group(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         self.procs[name] = p
         assert p.stderr is not None
         threading.Thread(target=self._read, args=(name, p.stderr), daemon=True).start()
@@ -115,7 +116,7 @@ class Cluster:
                 self._sample_cpu(int(e["version"]))
 
     def _sample_cpu(self, version: int) -> None:
-        cpu = {n: c for n, p in list(self.procs.items()) if (c := process_cpu_s(p.pid)) is not None}
+        cpu = {n: c for n, p in list(self.procs.items()) if (c := cpu_s(p.pid)) is not None}
         if cpu:
             with (self.state / "cpu.jsonl").open("a") as f:
                 f.write(json.dumps({"version": version, "cpu_s": cpu}) + "\n")
@@ -156,28 +157,10 @@ class Cluster:
         return " | ".join(parts)
 
     def stop(self) -> None:
-        """Children first: reverse start order, SIGTERM then SIGKILL after the grace period."""
-        for name in reversed(self.order()):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process, all its threads (None without ``/proc``, or once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """Children first: reverse start order, SIGTERM then SIGKILL after the grace period (each
+        node's process group; its stderr stays with the thread reading it)."""
+        order = [self.procs[n] for n in reversed(self.order()) if n in self.procs]
+        end_groups(order, grace_s=STOP_GRACE_S, close_pipes=False)
 
 
 def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0, state: Path | None = None,

@@ -50,7 +50,8 @@ from aurora.errors import AuroraError
 from aurora.events import NODE_STARTED, PARENT_ATTACHED, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.rl.learners.synthetic import SyntheticLearner
-from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
+from aurora.runtime.processes import end_groups, group_cpu_s
+from aurora.testing.wan import Host, Wan, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]
 ROLLOUTS_PER_REGION = 2
@@ -155,24 +156,11 @@ class _Cluster:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            end_process_group(p)
+        end_groups(self.procs.values())
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by every node (each node's process group)."""
-        groups = {p.pid for p in self.procs.values()}
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # gone meanwhile
-            if int(fields[2]) in groups:  # pgrp
-                total += int(fields[11]) + int(fields[12])  # utime + stime
-        return total / tick
+        return group_cpu_s({p.pid for p in self.procs.values()})
 
 
 def calibrate(c: Config) -> tuple[float, float]:

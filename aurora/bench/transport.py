@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from aurora.errors import AuroraError
-from aurora.testing.wan import Host, Wan, end_process_group, unavailable_reason
+from aurora.runtime.processes import end_group, start_group
+from aurora.testing.wan import Host, Wan, unavailable_reason
 
 LOOP_REPEATS = 3
 LINK_MBIT = 100.0
@@ -54,7 +55,7 @@ def _pair(kind: str, streams: int, nbytes: int, *, sink_host: Host | None = None
     if sink_host is not None:
         sink = sink_host.popen(sink_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     else:
-        sink = subprocess.Popen(sink_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        sink = start_group(sink_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert sink.stdout is not None
         line = sink.stdout.readline()
@@ -72,13 +73,11 @@ def _pair(kind: str, streams: int, nbytes: int, *, sink_host: Host | None = None
             raise AuroraError(f"{kind} x{streams}: the sink did not confirm the payload: {_err(sink)}")
         return result
     finally:
-        end_process_group(sink)
+        end_group(sink)
 
 
 def _err(p: subprocess.Popen[bytes]) -> str:
-    if p.poll() is None:
-        p.kill()
-    p.wait()
+    end_group(p, close_pipes=False)  # its last words first
     return (p.stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1] if p.stderr else ""
 
 

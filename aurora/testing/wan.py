@@ -24,11 +24,9 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -36,6 +34,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from aurora.errors import AuroraError
+from aurora.runtime.processes import end_groups, start_group
 
 TUN_MTU_BYTES = 1500
 DELAYLINE_START_S = 10.0
@@ -78,7 +77,7 @@ class Host:
 
     def popen(self, argv: Sequence[str], **kw: object) -> subprocess.Popen[bytes]:
         """Start a process inside this host, in its own process group (ended by `Wan.close`)."""
-        p: subprocess.Popen[bytes] = subprocess.Popen(self.argv(argv), start_new_session=True, **kw)  # type: ignore[call-overload]
+        p = start_group(self.argv(argv), **kw)
         self._wan._procs.append(p)
         return p
 
@@ -170,7 +169,7 @@ class Wan:
 
     def _start_delayline(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str, delay_ms: float,
                          loss: float, seed: int) -> None:  # fmt: skip
-        p = subprocess.Popen(
+        p = start_group(
             [
                 sys.executable,
                 "-m",
@@ -188,7 +187,6 @@ class Wan:
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            start_new_session=True,
         )
         self._delaylines.append(p)
         assert p.stdout is not None
@@ -201,8 +199,7 @@ class Wan:
             raise WanUnavailable(f"the delay line for {dev_a}<->{dev_b} did not start: {err.strip() or 'timeout'}")
 
     def close(self) -> None:
-        for p in [*self._procs, *self._delaylines]:
-            end_process_group(p)
+        end_groups([*self._procs, *self._delaylines])
         self._procs.clear()
         self._delaylines.clear()
         for h in self.hosts.values():
@@ -228,15 +225,4 @@ def _readline(p: subprocess.Popen[bytes], timeout_s: float) -> bytes:
     return p.stdout.readline()
 
 
-def end_process_group(p: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the process group ``p`` leads (if it still runs), reap it, close its pipes."""
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    for s in (p.stdout, p.stderr, p.stdin):
-        if s is not None:
-            s.close()
-
-
-__all__ = ["Host", "Link", "Wan", "WanUnavailable", "end_process_group", "unavailable_reason"]
+__all__ = ["Host", "Link", "Wan", "WanUnavailable", "unavailable_reason"]

@@ -1,0 +1,87 @@
+"""OS processes that a composition root starts — `aurora run`'s nodes, the benches' nodes and peers,
+the WAN emulator's helpers: started each in its own process group, ended by that group, and their
+CPU time sampled. The one place ``aurora`` starts, signals and measures processes.
+
+Invariants: a process started with `start_group` leads its own process group (a new session), so
+ending it ends what it started too (a node's own helpers, the command ``ip netns exec`` runs), and
+nothing else is ever signalled (never a match on a name). A group is signalled only while its
+leader has not been reaped, so its id cannot have been reused. `end_groups` is TERM to every group,
+then KILL to those still running once the grace period is over, then each leader reaped: no zombie
+is left. CPU time is user + system seconds of live processes, all their threads (psutil); a process
+that is gone counts nothing. Blocking; not for the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import psutil
+
+Process = subprocess.Popen[bytes]
+
+
+def start_group(argv: Sequence[str], **popen: Any) -> Process:
+    """Start ``argv`` as the leader of a new process group (``popen``: `subprocess.Popen`'s other arguments)."""
+    p: Process = subprocess.Popen(list(argv), start_new_session=True, **popen)
+    return p
+
+
+def _signal_group(p: Process, sig: signal.Signals) -> None:
+    if p.poll() is None:  # not reaped: its pid, the group's id, is still its own
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+
+
+def end_groups(procs: Iterable[Process], *, grace_s: float = 0.0, close_pipes: bool = True) -> None:
+    """End the process groups ``procs`` lead, in the order given: SIGTERM to each, then SIGKILL to
+    the groups still running ``grace_s`` later (``grace_s`` 0: SIGKILL at once); each leader is
+    reaped. ``close_pipes``: close the parent's ends of their pipes too (False where a reader
+    thread owns one until it ends)."""
+    procs = list(procs)
+    if grace_s > 0:
+        for p in procs:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+        if close_pipes:
+            for s in (p.stdout, p.stderr, p.stdin):
+                if s is not None:
+                    s.close()
+
+
+def end_group(p: Process, *, grace_s: float = 0.0, close_pipes: bool = True) -> None:
+    """`end_groups` for one process."""
+    end_groups([p], grace_s=grace_s, close_pipes=close_pipes)
+
+
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (None once it is gone)."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return t.user + t.system
+
+
+def group_cpu_s(groups: Collection[int]) -> float:
+    """User + system CPU seconds so far of every live process in the process groups ``groups``."""
+    total = 0.0
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in groups:
+                t = p.cpu_times()
+                total += t.user + t.system
+        except (psutil.Error, ProcessLookupError):
+            continue  # gone meanwhile
+    return total
