@@ -5,19 +5,24 @@ base-exponent buckets, the fewest bytes: the default), ``sparse`` (positions as
 gaps, values overwritten: O(changes) for every receiver), or ``auto``: per
 tensor, the rule of `aurora.codec.choice` — SPARSE where the tensor's density
 in the last version is below ``L·(s_cond − s_sparse)/(b_sparse − b_cond)`` — with
-``L`` the slowest link of the planned tree (or ``sync.link_mbit``) and the costs
-measured once on this node (`measure_speed`: both codings, encode + apply, on
-one synthetic bf16 span). A tensor not seen yet is taken at `FIRST_DENSITY`.
+``L`` the slowest link: ``sync.link_mbit`` if set, else the slowest rate a node
+has reported receiving a bulk transfer at (its first snapshot, a catch-up: timed
+by `aurora.actors.flow`, reported in its status), else the planned tree's slowest
+declared link; and the costs measured once on this node (`measure_speed`: both
+codings, encode + apply, on one synthetic bf16 span). A tensor not seen yet is
+taken at `FIRST_DENSITY`.
 
 Invariants: with ``conditioned`` the trainer writes what it always wrote; a
-change in what ``auto`` chooses is logged (``coding_chosen``) with the numbers
-behind it.
+change in what ``auto`` chooses, or in its threshold by more than 10 %, is
+logged (``coding_chosen``) with the numbers behind it and where the link rate
+came from.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cache
 
 import numpy as np
@@ -64,32 +69,54 @@ def measure_speed(n: int = 1 << 21, density: float = 0.01, reps: int = 3) -> Cod
 
 
 class CodingPolicy:
-    def __init__(self, mode: str, link_mbit: float) -> None:
+    """The trainer's coding choice (see the module docstring); ``link()`` says which rate it uses."""
+
+    def __init__(self, mode: str, declared_mbit: float, *, override_mbit: float | None = None,
+                 measured: Callable[[], tuple[float, str] | None] | None = None) -> None:  # fmt: skip
         self.mode = mode
-        self.link_mbit = link_mbit
+        self.declared_mbit = declared_mbit
+        """The slowest link of the planned tree, as the topology declares it."""
+        self.override_mbit = override_mbit
+        """``sync.link_mbit``: the operator's figure, taken over any other."""
+        self.measured = measured
+        """The slowest rate a node has reported receiving a bulk transfer at, and that node (the
+        trainer's `ClusterStatus.slowest_link`): taken over the declared rate once there is one."""
         self._density: dict[str, float] = {}
-        self._last: frozenset[str] | None = None
+        self._last: tuple[frozenset[str], float] | None = None
 
     @classmethod
-    def of(cls, topo: Topology, tree: Tree) -> CodingPolicy:
-        return cls(topo.sync.coding, topo.sync.link_mbit or slowest_link_mbit(topo, tree))
+    def of(cls, topo: Topology, tree: Tree, measured: Callable[[], tuple[float, str] | None] | None = None
+           ) -> CodingPolicy:  # fmt: skip
+        return cls(topo.sync.coding, slowest_link_mbit(topo, tree), override_mbit=topo.sync.link_mbit,
+                   measured=measured)  # fmt: skip
+
+    def link(self) -> tuple[float, str]:
+        """The link rate the rule uses (Mbit/s) and where it comes from."""
+        if self.override_mbit:
+            return self.override_mbit, "sync.link_mbit"
+        got = self.measured() if self.measured is not None else None
+        if got is not None:
+            return got[0], f"measured by {got[1]}"
+        return self.declared_mbit, "declared (planned tree)"
 
     def codings(self, names: Iterable[str]) -> Coding | dict[str, Coding]:
         """What to code the next version's tensors with."""
         if self.mode != "auto":
             return Coding(self.mode)
         speed = measure_speed()
-        link = self.link_mbit * 1e6 / 8
+        mbit, source = self.link()
+        link = mbit * 1e6 / 8
         out = {n: choose(self._density.get(n, FIRST_DENSITY), link, speed) for n in names}
         sparse = frozenset(n for n, c in out.items() if c is Coding.SPARSE)
-        if sparse != self._last:
+        threshold = speed.threshold(link)
+        if self._last is None or sparse != self._last[0] or not _close(threshold, self._last[1]):
             log.info(CODING_CHOSEN, sparse=len(sparse), conditioned=len(out) - len(sparse),
-                     threshold_density=round(speed.threshold(link), 5), link_mbit=self.link_mbit,
+                     threshold_density=round(threshold, 5), link_mbit=round(mbit, 3), link_source=source,
                      cond_ns_per_element=round(speed.cond_s_per_element * 1e9, 2),
                      sparse_ns_per_element=round(speed.sparse_s_per_element * 1e9, 2),
                      cond_bytes_per_change=round(speed.cond_bytes_per_change, 2),
                      sparse_bytes_per_change=round(speed.sparse_bytes_per_change, 2))  # fmt: skip
-            self._last = sparse
+            self._last = sparse, threshold
         return out
 
     def observe(self, m: Manifest, stats: EncodeStats) -> None:
@@ -99,3 +126,8 @@ class CodingPolicy:
             changed[ti] += n
         for ti, t in enumerate(m.tensors):
             self._density[t.name] = changed[ti] / max(1, t.numel)
+
+
+def _close(a: float, b: float) -> bool:
+    """Within 10 % (a new measurement that moves the threshold by less is not worth a log line)."""
+    return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= 0.1 * max(abs(a), abs(b)))

@@ -84,6 +84,12 @@ MAX_QUEUED = 8192
 """Messages that may wait for one child (a version is its chunks plus two): past it the child is cut off."""
 KEEP_SERVED = 2
 """Catch-ups (composed deltas, snapshots) kept made: children that ask for the same one share it."""
+LINK_SAMPLE_BYTES = 1 << 20
+"""A transfer a node times its parent link by (manifest to last chunk) carries at least this much: a
+smaller one says more about latency and scheduling than about the link's rate."""
+KEEP_SNAPSHOTS = 2
+"""Snapshots the history keeps (a version published as full weights): a child behind needs only the
+newest, and each is the size of the weights."""
 ENCODE_SLICE_S = 0.005
 """`publish` encodes chunks on the event loop for about this long, then routes them and yields:
 a small delta goes out in one slice, a big one still streams cut-through. (One thread hand-off
@@ -119,6 +125,10 @@ class _Incoming:
     seal: tuple[Seal, SealWire] | None = None
     hash_s: float = 0.0
     """Seconds spent hashing the chunks as they came (part of what verifying the seal costs)."""
+    began: float = 0.0
+    """When the manifest came (`time.monotonic`): a bulk transfer is timed from it to the last chunk."""
+    decoding: asyncio.Task[None] | None = None
+    """Decoding the chunks that came, against the weights held, while more arrive (`_decode_ahead`)."""
 
 
 class VersionFlow:
@@ -171,6 +181,11 @@ class VersionFlow:
         """Set at every commit (a waiter clears it first): a rollout's worker wakes on a new version."""
         self.bytes_in = 0
         """Delta bytes received from parents (manifests and chunks)."""
+        self.link_mbit: float | None = None
+        """The rate (Mbit/s) the last bulk transfer from a parent came at — a snapshot or catch-up of at
+        least `LINK_SAMPLE_BYTES`, manifest to last chunk (a streamed delta leaves the trainer as fast
+        as it is encoded, so it times the encoder, not the link). Reported up to the trainer, whose
+        coding choice takes the slowest (`aurora.actors.coding`)."""
         self.last_published: dict[str, Any] = {}
         """The trainer: bytes and density of the last version it published, and what sealing cost."""
         self.last_verify_s = 0.0
@@ -389,7 +404,8 @@ class VersionFlow:
         self.parent_lost()  # whatever was half-received before is superseded
         # the next version (a delta, or a snapshot of the full-weight baseline) is forwarded chunk by chunk
         streamed = self.version is not None and m.target_version == self.version + 1 and sealed is None
-        self._incoming = _Incoming(m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed)
+        self._incoming = _Incoming(m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed,
+                                   began=time.monotonic())  # fmt: skip
         if streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
             self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks + 1))
@@ -407,9 +423,31 @@ class VersionFlow:
             stored.chunks[i] = data
             self.router.chunk_arrived(target, i)
             self._dispatch(self.router.commands())
+        if inc.receiver.complete:
+            self._time_link(inc)
+        elif self._tg is not None and (inc.decoding is None or inc.decoding.done()):
+            inc.decoding = self._tg.create_task(self._decode_ahead(inc))
         if inc.receiver.complete and (inc.seal is not None or not inc.streamed):
             return await self._finish(inc)  # a streamed delta waits for its seal, which follows
         return None
+
+    def _time_link(self, inc: _Incoming) -> None:
+        """A bulk transfer just ended: the parent link's rate, if it was big enough to time."""
+        if inc.streamed or inc.receiver.bytes_received < LINK_SAMPLE_BYTES:
+            return
+        dt = time.monotonic() - inc.began
+        if dt > 0:
+            self.link_mbit = inc.receiver.bytes_received * 8 / dt / 1e6
+
+    async def _decode_ahead(self, inc: _Incoming) -> None:
+        """Decode what has come of ``inc`` against the weights held, in a thread, until a pass finds
+        nothing new: the commit then decodes only the rest (on a node of its own, decoding overlaps
+        the transfer). The weights do not change before ``inc`` commits or is dropped, so what is
+        decoded stays good; a chunk that fails is left for the commit to report."""
+        base = None if inc.manifest.is_snapshot else self.weights  # what `_commit` stages against
+        while self._incoming is inc:
+            if not await asyncio.to_thread(inc.receiver.decode_arrived, base, threads=self.threads):
+                return
 
     async def _sealed(self, target: int, wire: SealWire) -> int | None:
         inc = self._incoming
@@ -466,6 +504,8 @@ class VersionFlow:
 
         check = sealed_state if check_state else None
         touched: frozenset[str] | None = None
+        if inc.decoding is not None:
+            await inc.decoding  # its last pass ends before the commit stages: never both at once
         t = time.monotonic()
         async with self.weights_lock:
             if m.is_snapshot or self.weights is None:
@@ -679,6 +719,9 @@ class VersionFlow:
         self.history[target] = stored
         while len(self.history) > self.keep_versions:
             self.history.popitem(last=False)
+        snapshots = [v for v, h in self.history.items() if h.snapshot]
+        for v in snapshots[:-KEEP_SNAPSHOTS]:  # full weights each: only the newest are worth their memory
+            del self.history[v]
 
 
 async def _to_the_end(work: Awaitable[_T]) -> tuple[_T, bool]:

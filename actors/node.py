@@ -335,7 +335,7 @@ class Node:
             log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
                                 store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads,
-                                coding=CodingPolicy.of(self.topo, self.tree))  # fmt: skip
+                                coding=CodingPolicy.of(self.topo, self.tree, self.status.slowest_link))  # fmt: skip
         seal = await asyncio.to_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
             await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)
@@ -393,7 +393,7 @@ class Node:
         """This node's `Status` report (see `aurora.actors.status`)."""
         parent = self.place.path[-1] if self.place.path else None
         r = NodeReport(version=self.flow.version, parent=parent, planned=parent is None or parent == self.place.planned,
-                       bytes_in=self.flow.bytes_in)  # fmt: skip
+                       bytes_in=self.flow.bytes_in, link_mbit=self.flow.link_mbit)  # fmt: skip
         if self.engine is not None:
             w = self.worker_stats
             r = msgspec.structs.replace(r, completions=w.completions, accepted=w.accepted, rejected=w.rejected,

@@ -75,6 +75,13 @@ class ClusterStatus:
         if node in self.nodes:
             self.reports[node] = (report, time.monotonic())
 
+    def slowest_link(self) -> tuple[float, str] | None:
+        """The lowest rate any node reported receiving a bulk transfer at, and that node (None: no
+        node has timed one yet). A node behind a relay times the whole path to it, so the minimum
+        is the slowest link a version crosses."""
+        got = [(r.link_mbit, n) for n, (r, _) in self.reports.items() if r.link_mbit is not None]
+        return min(got) if got else None
+
     def snapshot(self, version: int | None, pool: dict[str, Any]) -> Snapshot:
         now = time.monotonic()
         nodes = {n: msgspec.structs.replace(r, age_s=round(now - at, 1)) for n, (r, at) in self.reports.items()}

@@ -57,6 +57,7 @@ class Tree:
     async def attach(self, parent: VersionFlow, child: VersionFlow) -> None:
         down, up = memory_channel_pair(parent.name, child.name, window=8)
         self.links += [down, up]
+        child.start_in(self.tg)  # its chunks decoded as they come, in tasks of this group
         self.tg.create_task(_follow(child, up))
         self.tg.create_task(_listen(parent, down))
         parent.add_child(down, child.version)
@@ -235,3 +236,45 @@ async def test_an_anchor_write_is_owned_by_the_flows_task_group(
     with pytest.raises(ExceptionGroup) as caught:
         await publish_in_a_group(2)
     assert [type(e) for e in caught.value.exceptions] == [RuntimeError]
+
+
+async def test_a_bulk_transfer_times_the_parent_link_and_a_streamed_delta_does_not() -> None:
+    """A node's first weights (a snapshot of >= 1 MB) time its parent link; the streamed deltas after
+    it (paced by the trainer's encoder) leave the figure alone; nodes report it."""
+    rng = np.random.default_rng(5)
+    w0 = Weights.from_tensors({"big": rng.standard_normal(400_000).astype(np.float32)})  # 1.6 MB
+    trainer = VersionFlow("trainer", w0.copy(), 0)
+    leaf = VersionFlow("rollout-0", None, None)
+    async with asyncio.TaskGroup() as tg:
+        tree = Tree(tg)
+        await tree.attach(trainer, leaf)
+        await _until(lambda: leaf.version == 0)
+        assert leaf.link_mbit is not None
+        assert leaf.link_mbit > 0
+        leaf.link_mbit = 1.0  # a mark: a streamed delta must not overwrite it
+        await trainer.publish(perturb(w0, 0.01, seed=6))
+        await _until(lambda: leaf.version == 1)
+        assert leaf.link_mbit == 1.0
+        await tree.close()
+
+
+def test_the_coding_choice_takes_the_operators_link_then_the_slowest_measured_then_the_declared() -> None:
+    from aurora.actors.status import ClusterStatus
+
+    from aurora.codec.encoder import Coding
+    from aurora.protocol.messages import NodeReport
+
+    status = ClusterStatus(["relay", "rollout-0", "rollout-1"])
+    policy = CodingPolicy("auto", 100.0, measured=status.slowest_link)
+    assert policy.link() == (100.0, "declared (planned tree)")
+    status.on_report("rollout-0", NodeReport(version=1))  # not timed anything yet
+    assert policy.link()[1] == "declared (planned tree)"
+    status.on_report("rollout-0", NodeReport(version=1, link_mbit=2000.0))
+    status.on_report("relay", NodeReport(version=1, link_mbit=0.001))
+    status.on_report("stranger", NodeReport(version=1, link_mbit=1e-6))  # not in the topology: not heard
+    assert policy.link() == (0.001, "measured by relay")
+    assert policy.codings(["w"]) == {"w": Coding.CONDITIONED}  # a crawl of a link: bytes win
+    status.on_report("relay", NodeReport(version=2, link_mbit=1e6))
+    assert policy.link() == (2000.0, "measured by rollout-0")
+    fixed = CodingPolicy("auto", 100.0, override_mbit=0.5, measured=status.slowest_link)
+    assert fixed.link() == (0.5, "sync.link_mbit")

@@ -76,6 +76,8 @@ Token = Annotated[bytes, Meta(min_length=16, max_length=32)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 LogProb = Annotated[float, Meta(ge=MIN_LOGPROB, le=0.0)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+Mbit = Annotated[float, Meta(gt=0.0, le=1e7)]
+"""A link rate in Mbit/s (positive and finite: NaN and infinity fail the bounds)."""
 Stat = None | bool | int | Annotated[float, Meta(ge=-1e300, le=1e300)] | Annotated[str, Meta(max_length=256)]
 StatKey = Annotated[str, Meta(max_length=64)]
 
@@ -210,6 +212,9 @@ class NodeReport(Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=
     tok_s: Seconds | None = None
     switches: Count | None = None
     switch_ms: Seconds | None = None
+    link_mbit: Mbit | None = None
+    """The rate this node last received a bulk transfer from its parent at (a snapshot or catch-up big
+    enough to time, manifest to last chunk: `aurora.actors.flow`); None until one came."""
     age_s: Seconds = 0.0
     """In a snapshot: seconds since the trainer heard this report."""
 
