@@ -4,6 +4,7 @@ the published version is the bf16 cast of the master weights, and checkpoints re
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,12 @@ MODEL = ModelSpec(preset="tiny", seed=0)
 def _learner(tmp: Path | None = None, **kw: object) -> GrpoLearner:
     spec = GrpoSpec(**{"group_size": 8, "prompts_per_step": 32, "lr": 1e-3, "warm_start_steps": 70, **kw})  # type: ignore[arg-type]
     return GrpoLearner(spec, MODEL, TASK, temperature=1.0, checkpoint_dir=tmp)
+
+
+def _response_logp(learner: GrpoLearner, prompt: Sequence[int], response: Sequence[int]) -> float:
+    """log P(response | prompt) under the learner's weights at the sampling temperature, as its loss scores it."""
+    with torch.no_grad():
+        return float(learner._logp(learner.model, learner._pack([[*prompt, *response]], [len(prompt)])).sum())
 
 
 def _rollouts(engine: TorchEngine, prompts: list[Prompt], version: int, g: int = 8) -> list:  # type: ignore[type-arg]
@@ -77,7 +84,7 @@ def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() ->
     batch = _rollouts(engine, [next(TASK.prompts(11)) for _ in range(32)], 0)
 
     def logp(correct: bool) -> float:
-        vals = [learner.response_logp(c.prompt_tokens, s.tokens) for p, c in batch for s in c.samples
+        vals = [_response_logp(learner, c.prompt_tokens, s.tokens) for p, c in batch for s in c.samples
                 if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct]  # fmt: skip
         return sum(vals) / len(vals)
 
@@ -188,6 +195,6 @@ def test_shared_parts_run_once_with_the_same_log_probs_and_gradients(monkeypatch
     assert rows_shared == [1, 3, 9]  # the prefix once, each prompt once, each sample
     assert torch.allclose(whole, shared, atol=1e-5)
     assert torch.allclose(g_whole, g_shared, rtol=1e-4, atol=1e-6)
-    assert learner.response_logp(seqs[0][: starts[0]], seqs[0][starts[0] :]) == pytest.approx(
+    assert _response_logp(learner, seqs[0][: starts[0]], seqs[0][starts[0] :]) == pytest.approx(
         float(whole[0].sum()), abs=1e-4
     )

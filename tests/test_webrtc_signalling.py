@@ -1,4 +1,4 @@
-"""WebRTC signalling: fingerprints must match what was announced; a rendezvous stamps the sender."""
+"""WebRTC signalling: fingerprints must match what was announced; the parent stamps the sender."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from aurora.transport.webrtc import RtcConfig, WebRtcTransport, relay_signal, sdp_fingerprints
+from aurora.transport.webrtc import RtcConfig, WebRtcTransport, sdp_fingerprints
 from structlog.testing import capture_logs
 
 from aurora.errors import ProtocolError, TransportClosed
@@ -29,8 +29,7 @@ async def _rendezvous(legs: dict[str, MemoryChannel], rewrite: Callable[[Signal]
             while True:
                 m = (await ch.recv()).msg
                 assert isinstance(m, RtcOffer | RtcAnswer | RtcRefused)
-                dst, h = relay_signal(m, came_from=name)
-                await legs[dst].send(rewrite(h))
+                await legs[m.to].send(rewrite(msgspec.structs.replace(m, sender=name)))
 
     async with asyncio.TaskGroup() as tg:
         for name, ch in legs.items():
@@ -85,10 +84,17 @@ async def test_an_offer_whose_sdp_fingerprint_differs_from_the_announced_one_is_
     assert any(e["event"] == WEBRTC_FINGERPRINT_MISMATCH for e in logs)
 
 
-def test_the_rendezvous_stamps_the_real_sender() -> None:
-    offer = RtcOffer(to="b", sender="someone-else", id="1", sdp="", fingerprint=["x"])
-    dst, h = relay_signal(offer, came_from="a")
-    assert (dst, h.sender) == ("b", "a")
+async def test_the_parent_stamps_the_real_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a child signals on its channel is taken as from that child, whatever it says."""
+    parent = WebRtcTransport("relay", CFG)
+    seen: list[str] = []
+    monkeypatch.setattr(parent, "on_signal", lambda msg, via: seen.append(msg.sender))
+    mine, theirs = memory_channel_pair("relay", "rollout-a")
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(parent.serve_signalling(mine, stamp=True))
+        await theirs.send(RtcOffer(to="relay", sender="rollout-b", id="1", sdp="", fingerprint=["x"]))
+        await theirs.close("test over")
+    assert seen == ["rollout-a"]
 
 
 async def test_a_garbage_offer_is_refused_and_the_transport_goes_on() -> None:

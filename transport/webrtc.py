@@ -11,9 +11,9 @@ channels on one association share one window).
 Signalling messages are `RtcOffer` / `RtcAnswer` / `RtcRefused`
 (`aurora.protocol.messages`) with ``to``, ``from``, ``id``, ``sdp`` and
 ``fingerprint`` (the sender's DTLS certificate fingerprint, announced apart from
-the SDP). A rendezvous forwards them with `relay_signal`, which stamps ``from``
-with the peer id of the channel the message came in on, so a node cannot pose as
-another. Before a remote description is applied its DTLS fingerprint must equal
+the SDP). The rendezvous — the parent, answering its child — takes them with
+`serve_signalling(stamp=True)`, which stamps ``from`` with the peer id of the channel
+the message came in on, so a node cannot pose as another. Before a remote description is applied its DTLS fingerprint must equal
 the announced one (aiortc then holds the certificate to the SDP), else the offer
 is refused and nothing is set up. An offer that cannot be parsed or answered is
 refused and logged; nothing a peer signals can end the transport's task group.
@@ -418,7 +418,9 @@ class WebRtcTransport:
         return RTCConfiguration(iceServers=servers)  # always explicit: [] means host candidates only
 
     def use_rendezvous(self, name: str, channel: Channel) -> None:
-        """Make ``channel`` (to the rendezvous node ``name``) usable as an address in `connect`."""
+        """Make ``channel`` (to the rendezvous node ``name``) usable as an address in `connect`.
+        (`connect` by address is the `Transport` contract; a node opens its parent's signalling
+        channel per attach and dials with `connect_via`, the tests through a named rendezvous.)"""
         self.rendezvous[name] = channel
 
     async def connect(self, peer: str, address: str) -> WebRtcChannel:
@@ -600,10 +602,4 @@ def _settle(fut: asyncio.Future[Any], value: object) -> None:
             fut.set_result(value)
 
 
-def relay_signal(msg: Signal, came_from: str) -> tuple[str, Signal]:
-    """What a rendezvous does with a signalling message from the channel of peer ``came_from``:
-    forward it to ``to``, with ``from`` stamped as the real sender."""
-    return msg.to, msgspec.structs.replace(msg, sender=came_from)
-
-
-__all__ = ["IceServer", "RtcConfig", "WebRtcChannel", "WebRtcTransport", "relay_signal", "sdp_fingerprints"]
+__all__ = ["IceServer", "RtcConfig", "WebRtcChannel", "WebRtcTransport", "sdp_fingerprints"]

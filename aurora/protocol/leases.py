@@ -251,6 +251,8 @@ class LeaseTable:
         return self._current.get(item)
 
     def valid_leases(self, now: float) -> list[Lease]:
+        """The leases not expired at ``now``: the table's invariant, at most one per item and none for
+        an item done, is stated over these (the property tests read it; the drivers need only events)."""
         return [lease for lease in self._current.values() if now < lease.expires_at]
 
     def rate(self, worker: str) -> float | None:

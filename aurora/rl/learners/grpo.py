@@ -374,11 +374,6 @@ class GrpoLearner:
         logits = out.logits[:, :-1].float() / (self.temperature if temperature is None else temperature)
         return torch.log_softmax(logits, -1).gather(-1, p.stages[-1].ids[:, -keep:, None])[..., 0]
 
-    def response_logp(self, prompt: Sequence[int], response: Sequence[int]) -> float:
-        """log P(response | prompt) under the learner's weights at the sampling temperature."""
-        with torch.no_grad():
-            return float(self._logp(self.model, self._pack([[*prompt, *response]], [len(prompt)])).sum())
-
     # -- checkpoints
     def save_checkpoint(self, version: int) -> Path:
         assert self.checkpoint_dir is not None
