@@ -91,7 +91,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     y = bs.add_parser("sync", help="publication-to-last-commit time over an emulated 4-region WAN",
                       description="On the WAN emulator (root: four network namespaces; the trainer's region joined "
                       "to three others by 100 Mbit/s 50 ms links), run real aurora node processes (two rollouts "
-                      "per region, one relay per remote region in a tree) and time each version from its "
+                      "per region by default, one relay per remote region in a tree) and time each version from its "
                       "publication to the last rollout's commit, for full weights and deltas, as a star and "
                       "down the relay tree. Prints each time with its lower bound (bytes over the busiest WAN "
                       "link at the link rate, plus the RTTs of the deepest path), the ratio to it, and the "
@@ -99,6 +99,15 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     y.add_argument("--params", default="25M", help="model sizes in bf16 parameters, comma-separated (default 25M)")
     y.add_argument("--densities", default="0.01,0.05", help="fractions changed per step (default 0.01,0.05)")
     y.add_argument("--versions", type=int, default=3, help="versions timed per configuration (default 3)")
+    y.add_argument("--configs", default="full-star,full-tree,delta-star,delta-tree",
+                   help="which configurations, comma-separated (default all four: full-star, full-tree, "
+                   "delta-star, delta-tree)")  # fmt: skip
+    y.add_argument("--coding", default="auto",
+                   help="the deltas' sync.coding, comma-separated to compare: conditioned, sparse, auto (default "
+                   "auto: per tensor by the link, see aurora/codec/choice.py)")  # fmt: skip
+    y.add_argument("--rollouts", type=int, default=2,
+                   help="rollout nodes per region (default 2; 1 keeps a 500M run within 24 GiB: every node "
+                   "holds a copy of the weights)")  # fmt: skip
     y.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     r = bs.add_parser("rl", help="rollout tokens/s with weight sync on vs the sync-free ideal",
                       description="Run the topology's RL job twice with fixed-length generation: with weight "
@@ -428,7 +437,7 @@ def _count(text: str) -> int:
 def cmd_bench_sync(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from aurora.bench.sync import run, table
+    from aurora.bench.sync import KINDS, configs, run, table
 
     try:
         params = [_count(x) for x in args.params.split(",") if x.strip()]
@@ -442,13 +451,22 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
         raise AuroraError(f"--densities must each be in (0, 1], got {args.densities!r}")
     if args.versions < 1:
         raise AuroraError("--versions must be at least 1")
+    kinds = [k.strip() for k in args.configs.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise AuroraError(f"--configs must name some of {', '.join(KINDS)}, got {args.configs!r}")
+    codings = [c.strip() for c in args.coding.split(",") if c.strip()]
+    if not codings or any(c not in ("conditioned", "sparse", "auto") for c in codings):
+        raise AuroraError(f"--coding must name some of conditioned, sparse, auto, got {args.coding!r}")
+    if args.rollouts < 1:
+        raise AuroraError("--rollouts must be at least 1")
     import signal
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwinds through the emulator's cleanup (namespaces, processes)
 
     signal.signal(signal.SIGTERM, interrupted)
-    results = run(params=params, densities=densities, versions=args.versions, progress=lambda m: print(m, flush=True))
+    plan = configs(params, densities, kinds=kinds, codings=codings, rollouts=args.rollouts)
+    results = run(plan, versions=args.versions, progress=lambda m: print(m, flush=True))
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in results], indent=1))

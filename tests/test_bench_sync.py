@@ -27,7 +27,9 @@ def test_bench_sync_times_all_four_configurations() -> None:
     assert [" ".join(x.split()[2:4]) for x in rows] == ["full star", "full relay", "delta star", "delta relay"]
     for x in rows:
         cols = x.split()  # counted from the right: names have spaces
-        time_ms, bound_ms, floor_ms = float(cols[-8]), float(cols[-7]), float(cols[-5])
+        time_ms, bound_ms, floor_ms = float(cols[-10]), float(cols[-9]), float(cols[-7])
+        peak_mb, all_mb = float(cols[-2]), float(cols[-1])
+        assert 0 < peak_mb <= all_mb
         assert bound_ms >= floor_ms > 0
         # nothing beats the floor (the bytes at the link rate plus one one-way WAN delay); the bound
         # allows a round trip per tree level, which cut-through forwarding can beat

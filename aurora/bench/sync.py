@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from aurora.errors import AuroraError
 from aurora.events import NODE_STARTED, PARENT_ATTACHED, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.rl.learners.synthetic import SyntheticLearner
-from aurora.runtime.processes import end_groups, group_cpu_s
+from aurora.runtime.processes import end_groups, group_cpu_s, peak_rss_bytes
 from aurora.testing.wan import Host, Wan, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]
@@ -61,16 +61,30 @@ LAN_RTT_MS = 0.5
 START_TIMEOUT_S = 180.0
 
 
+KINDS = ("full-star", "full-tree", "delta-star", "delta-tree")
+"""The configurations, by name: what is sent (full weights or deltas) and how (a star or the relay tree)."""
+
+
 @dataclass
 class Config:
     params: int
     density: float
     full: bool
     tree: bool
+    coding: str = "conditioned"
+    """A delta's ``sync.coding`` (conditioned, sparse or auto); full weights are RAW chunks whatever it says."""
+    rollouts: int = ROLLOUTS_PER_REGION
+    """Rollout nodes per region."""
 
     @property
     def name(self) -> str:
-        return f"{'full' if self.full else 'delta'} {'relay tree' if self.tree else 'star'}"
+        how = f"{'full' if self.full else 'delta'} {'relay tree' if self.tree else 'star'}"
+        return how if self.full else f"{how} ({self.coding})"
+
+    @property
+    def nodes(self) -> int:
+        """Nodes that receive every version (all but the trainer)."""
+        return len(REGIONS) * self.rollouts + (len(REGIONS) - 1 if self.tree else 0)
 
 
 @dataclass
@@ -88,6 +102,10 @@ class Result:
     encode_s: float
     decode_s: float
     """One version's encode and decode+commit, measured in the bench process, unloaded."""
+    peak_node_mb: float = 0.0
+    """The most resident memory one node held (its peak, MB)."""
+    peak_sum_mb: float = 0.0
+    """Every node's peak added up (MB): an upper bound of what the cluster held at once."""
 
     @property
     def ratio(self) -> float:
@@ -107,7 +125,7 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
                          f'listen: "tcp://{_addr(r)}:47001", parent: trainer}}')  # fmt: skip
             parent = f"relay-{region}"
         nodes += [f"  - {{name: rollout-{region}-{i + 1}, role: rollout, region: {region}, parent: {parent}}}"
-                  for i in range(ROLLOUTS_PER_REGION)]  # fmt: skip
+                  for i in range(c.rollouts)]  # fmt: skip
     wan = [f"  - {{regions: [us, {r}], bandwidth_mbit: {LINK_MBIT:g}, rtt_ms: {LINK_RTT_MS:g}}}" for r in REGIONS[1:]]
     return "\n".join([
         f"name: bench-sync-{'full' if c.full else 'delta'}-{'tree' if c.tree else 'star'}",
@@ -118,7 +136,7 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
         "heartbeat: {interval_s: 0.5, suspect_after_s: 3.0, lost_after_s: 8.0}",
         "keys: {dir: keys}",  # the nodes listen on the emulator's private addresses: authenticated, signed
         f"learner: {{kind: synthetic, params: {c.params}, tensors: 8, density: {c.density}, interval_s: {interval_s}}}",
-        f"sync: {{full_weights: {'true' if c.full else 'false'}}}",
+        f"sync: {{full_weights: {'true' if c.full else 'false'}, coding: {c.coding}}}",
         f"run: {{steps: {steps}}}",
         "",
     ])  # fmt: skip
@@ -162,6 +180,10 @@ class _Cluster:
         """CPU seconds used so far by every node (each node's process group)."""
         return group_cpu_s({p.pid for p in self.procs.values()})
 
+    def peaks_mb(self) -> list[float]:
+        """Each running node's peak resident memory so far (MB)."""
+        return [b / 1e6 for p in self.procs.values() if (b := peak_rss_bytes(p.pid)) is not None]
+
 
 def calibrate(c: Config) -> tuple[float, float]:
     """(encode, decode) seconds of one version of this size and density in this process, unloaded."""
@@ -183,13 +205,13 @@ def calibrate(c: Config) -> tuple[float, float]:
 
 def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, progress: Callable[[str], None]) -> Result:
     size = c.params * 2  # bf16
-    copies = ROLLOUTS_PER_REGION if not c.tree else 1
+    copies = c.rollouts if not c.tree else 1
     est = (size if c.full else size * c.density * 4) * copies / (LINK_MBIT * 1e6 / 8)
     enc, dec = calibrate(c)
-    nodes = len(REGIONS) * ROLLOUTS_PER_REGION + (len(REGIONS) - 1 if c.tree else 0)
-    cpu = enc + nodes * dec / (os.cpu_count() or 1)
+    cpu = enc + c.nodes * dec / (os.cpu_count() or 1)
     # versions far enough apart that one is done before the next: the time is one version's, not a queue's
-    interval = max(2.0, 3 * (cpu + est) + 1.0)
+    # (full weights: the wire dominates and is known; 1.5x is margin enough for a version of minutes)
+    interval = max(2.0, (1.5 if c.full else 3.0) * (cpu + est) + 1.0)
     steps = 1_000_000  # the trainer keeps publishing; the cluster is stopped once enough versions are timed
     cl = _Cluster(hosts, c, work, interval, steps)
     progress(f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s "
@@ -201,7 +223,7 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         for n, r in relays:
             cl.start(n, r)
         cl.wait(lambda: all(cl.events(n, PARENT_ATTACHED) for n, _ in relays), START_TIMEOUT_S, "the relays")
-        rollouts = [(f"rollout-{r}-{i + 1}", r) for r in REGIONS for i in range(ROLLOUTS_PER_REGION)]
+        rollouts = [(f"rollout-{r}-{i + 1}", r) for r in REGIONS for i in range(c.rollouts)]
         for n, r in rollouts:
             cl.start(n, r)
         cl.wait(lambda: all(cl.events(n, PARENT_ATTACHED) for n, _ in rollouts), START_TIMEOUT_S, "the rollouts")
@@ -231,13 +253,15 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         counted = list(timed().values())[:versions]
         nbytes = int(statistics.median(b for b, _ in counted))
         secs = statistics.median(t for _, t in counted)
+        peaks = cl.peaks_mb()
     finally:
         cl.stop()
     depth = 2 if c.tree else 1
     rate = LINK_MBIT * 1e6 / 8
     lower = nbytes * copies / rate + depth * LINK_RTT_MS / 1e3
     floor = nbytes * copies / rate + LINK_RTT_MS / 2e3
-    return Result(c, nbytes, secs, len(counted), lower, floor, cpu_per_version, enc, dec)
+    return Result(c, nbytes, secs, len(counted), lower, floor, cpu_per_version, enc, dec, max(peaks, default=0.0),
+                  sum(peaks))  # fmt: skip
 
 
 def _emulator() -> tuple[Wan, dict[str, Host]]:
@@ -256,8 +280,19 @@ def _emulator() -> tuple[Wan, dict[str, Host]]:
         raise
 
 
-def run(*, params: list[int], densities: list[float], versions: int = 3,
-        progress: Callable[[str], None] = print) -> list[Result]:  # fmt: skip
+def configs(params: list[int], densities: list[float], *, kinds: Sequence[str] = KINDS,
+            codings: Sequence[str] = ("auto",), rollouts: int = ROLLOUTS_PER_REGION) -> list[Config]:  # fmt: skip
+    """What to measure, in order: per size, the full-weight kinds once (they do not depend on the
+    density or the coding), then each delta kind per density and coding."""
+    out = []
+    for p in params:
+        out += [Config(p, densities[0], True, k == "full-tree", rollouts=rollouts) for k in KINDS[:2] if k in kinds]
+        out += [Config(p, d, False, k == "delta-tree", coding, rollouts) for d in densities for coding in codings
+                for k in KINDS[2:] if k in kinds]  # fmt: skip
+    return out
+
+
+def run(plan: list[Config], *, versions: int = 3, progress: Callable[[str], None] = print) -> list[Result]:
     reason = unavailable_reason()
     if reason is not None:
         raise AuroraError(f"bench sync needs the WAN emulator: {reason}")
@@ -267,33 +302,35 @@ def run(*, params: list[int], densities: list[float], versions: int = 3,
         f"WAN emulator: {' '.join(REGIONS)}; us <-> each other region {LINK_MBIT:g} Mbit/s, {LINK_RTT_MS:g} ms RTT"
     )
     with wan, tempfile.TemporaryDirectory(prefix="aurora-bench-sync-") as tmp:
-        for p in params:
-            # full weights do not depend on the density: measured once per size
-            configs = [Config(p, densities[0], True, False), Config(p, densities[0], True, True)]
-            configs += [Config(p, d, False, tree) for d in densities for tree in (False, True)]
-            for i, c in enumerate(configs):
-                work = Path(tmp) / f"{p}-{i}"
-                work.mkdir()
-                results.append(measure(hosts, c, work, versions=versions, progress=progress))
-                r = results[-1]
-                progress(f"    {r.seconds * 1e3:.0f} ms (lower bound {r.lower_bound_s * 1e3:.0f} ms, floor {r.floor_s * 1e3:.0f} ms), "
-                         f"{r.bytes / 1e6:.2f} MB per version")  # fmt: skip
+        for i, c in enumerate(plan):
+            work = Path(tmp) / f"{c.params}-{i}"
+            work.mkdir()
+            results.append(measure(hosts, c, work, versions=versions, progress=progress))
+            r = results[-1]
+            progress(f"    {r.seconds * 1e3:.0f} ms (lower bound {r.lower_bound_s * 1e3:.0f} ms, floor {r.floor_s * 1e3:.0f} ms), "
+                     f"{r.bytes / 1e6:.2f} MB per version; peak memory {r.peak_node_mb:.0f} MB in one node, "
+                     f"{r.peak_sum_mb:.0f} MB all nodes")  # fmt: skip
     return results
 
 
 def table(results: list[Result]) -> str:
     cores = os.cpu_count() or 1
-    head = (f"{'params':>7} {'density':>7}  {'config':<16} {'MB/version':>10} {'time ms':>8} {'bound ms':>8} "
-            f"{'ratio':>5} {'floor ms':>8} {'vs full star':>12}  {'CPU s/version':>13} {'enc ms':>6} {'dec ms':>6}")  # fmt: skip
+    width = max([len(r.config.name) for r in results] + [16])
+    head = (f"{'params':>7} {'density':>7}  {'config':<{width}} {'nodes':>5} {'MB/version':>10} {'time ms':>8} "
+            f"{'bound ms':>8} {'ratio':>5} {'floor ms':>8} {'vs full star':>12}  {'CPU s/version':>13} {'enc ms':>6} "
+            f"{'dec ms':>6} {'peak MB':>8} {'all MB':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
-        full_star = next(x for x in results if x.config.params == r.config.params and x.config.full
-                         and not x.config.tree)  # fmt: skip
+        full_star = next((x for x in results if x.config.params == r.config.params and x.config.full
+                          and not x.config.tree), None)  # fmt: skip
+        vs = f"{full_star.seconds / r.seconds:>11.1f}x" if full_star is not None else f"{'-':>12}"
         density = "-" if r.config.full else f"{r.config.density:g}"
-        lines.append(f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<16} {r.bytes / 1e6:>10.3f} "
-                     f"{r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} {r.floor_s * 1e3:>8.0f} "
-                     f"{full_star.seconds / r.seconds:>11.1f}x  {r.cpu_s:>13.2f} {r.encode_s * 1e3:>6.0f} "
-                     f"{r.decode_s * 1e3:>6.0f}")  # fmt: skip
+        lines.append(f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<{width}} {r.config.nodes + 1:>5} "
+                     f"{r.bytes / 1e6:>10.3f} {r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} "
+                     f"{r.floor_s * 1e3:>8.0f} {vs}  {r.cpu_s:>13.2f} {r.encode_s * 1e3:>6.0f} "
+                     f"{r.decode_s * 1e3:>6.0f} {r.peak_node_mb:>8.0f} {r.peak_sum_mb:>7.0f}")  # fmt: skip
     lines.append(f"CPU s/version: all nodes' CPU per version while timed, on this host's {cores} cores; enc/dec: one "
-                 "version's encode and decode+commit on one core, unloaded.")  # fmt: skip
+                 "version's encode and decode+commit on one core, unloaded (conditioned coding);")  # fmt: skip
+    lines.append("peak MB: the most resident memory one node held; all MB: every node's peak added up (an upper "
+                 "bound of what the cluster held at once).")  # fmt: skip
     return "\n".join(lines)

@@ -85,3 +85,16 @@ def group_cpu_s(groups: Collection[int]) -> float:
         except (psutil.Error, ProcessLookupError):
             continue  # gone meanwhile
     return total
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """The most resident memory process ``pid`` has held so far (Linux's VmHWM; None once it is gone
+    or where the kernel does not say)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
