@@ -71,6 +71,7 @@ from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealW
 from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
 from aurora.runtime.groups import cancel_and_wait, wait_first
 from aurora.store import DeltaStore
+from aurora.store.anchors import Keep
 from aurora.store.store import anchor_image
 
 log = structlog.get_logger("aurora.actors.flow")
@@ -157,9 +158,9 @@ class VersionFlow:
         self.full_weights = full_weights
         """Publish every version as a snapshot (the full-weight baseline of the benchmarks)."""
         self.store = store
-        """This node's versions on disk: a relay or rollout stores what it commits (anchors every
-        ``store.anchor_every`` versions, deltas between), so a restarted node resumes from it and a
-        child far behind gets one composed delta instead of a chain or a snapshot."""
+        """This node's versions on disk: a relay or rollout stores what it commits (deltas, and an
+        anchor every ``store.anchor_every`` of them: `aurora.store.anchors`), so a restarted node
+        resumes from it and a child far behind gets one composed delta instead of a chain or a snapshot."""
         self.router = VersionRouter(version)
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
@@ -605,24 +606,18 @@ class VersionFlow:
 
     def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, seal: SealWire | None, *,
               prune: bool = False) -> bool:  # fmt: skip
-        """Store version ``m.target_version`` (``weights``) with its seal: its delta when the base is
-        the latest stored version, else an anchor; ``prune`` then drops all but the recent versions (a
-        relay's or rollout's store; the trainer's keeps them all). True: stored as a delta although an
-        anchor is due (``anchor_every`` deltas since the last one), which the caller writes later."""
-        store, v = self.store, m.target_version
+        """Store version ``m.target_version`` (``weights``) with its seal as the store's anchor policy
+        says (`DeltaStore.keep`); ``prune`` then drops all but the recent versions (a relay's or
+        rollout's store; the trainer's keeps them all). True: stored as a delta although an anchor is
+        due, which the caller writes later (`_promote`)."""
+        store = self.store
         assert store is not None
-        latest = store.latest()
-        if latest is not None and v <= latest:
+        kept = store.keep(m, chunks, weights, seal=seal).keep
+        if kept is Keep.SKIP:
             return False  # already there (a restarted node catching up to what it had)
-        full = chunks is None or any(c is None for c in chunks) or m.is_snapshot or m.base_version != latest
-        if full:
-            store.put_anchor(v, weights, seal=seal)
-        else:
-            assert chunks is not None
-            store.put_delta(m, [c for c in chunks if c is not None], seal=seal)
         if prune:
             store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
-        return not full and store.deltas_since_anchor(v) >= store.anchor_every
+        return kept is Keep.DELTA_THEN_ANCHOR
 
     async def _send_composed(self, ch: Channel, have: int) -> bool:
         """One delta from the child's version (read back from the store) to the current one; False

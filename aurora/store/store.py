@@ -1,4 +1,4 @@
-"""`DeltaStore`: versions on disk as anchor snapshots every K versions plus the deltas between.
+"""`DeltaStore`: versions on disk as anchor snapshots plus the deltas between, at most K deltas a chain.
 
 Layout under the root::
 
@@ -14,7 +14,9 @@ the new state. Reading a version checks its digest. Metadata is read as
 untrusted: a ``file`` must be the one path its version and kind allow (inside
 the store), so nothing a metadata file says can make the store read or delete
 elsewhere. A version's seal (`aurora.auth.seal`), when it has one, is kept in
-its metadata; every error names the file it is about.
+its metadata; every error names the file it is about. Which versions are anchors
+is `aurora.store.anchors.AnchorPolicy`'s rule, applied by `keep` (K =
+``anchor_every``).
 """
 
 from __future__ import annotations
@@ -22,16 +24,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from aurora.codec import Delta, EncodeStats, Manifest, Weights, apply, encode
+from aurora.codec import Manifest, Weights, apply
 from aurora.codec.container import load_delta_file, write_delta
 from aurora.errors import CheckpointError, DeltaFormatError, StoreError
 from aurora.protocol.messages import SealWire
+from aurora.store.anchors import AnchorPolicy, Keep, KeepDecision
 from aurora.store.atomic import atomic_writer, write_bytes
 from aurora.store.checkpoint import load_checkpoint
 
@@ -121,6 +122,8 @@ class DeltaStore:
             """The run these versions belong to (the trainer's seals name it)."""
             write_bytes(cfg, json.dumps({"format": STORE_FORMAT, "anchor_every": anchor_every,
                                          "run": self.run.hex()}).encode())  # fmt: skip
+        self.policy = AnchorPolicy(self.anchor_every)
+        """Which versions `keep` stores as anchors."""
 
     # ------------------------------------------------------------------ listing
     def _meta_path(self, v: int) -> Path:
@@ -199,25 +202,34 @@ class DeltaStore:
         )
         return self._commit(info)
 
-    def put(self, version: int, weights: Weights, *, base: Weights | None = None) -> VersionInfo:
-        """Add ``version``: an anchor every ``anchor_every`` versions (or when a delta would not pay),
-        else a delta from the latest stored version. ``base`` saves re-reading that version."""
-        if version in self:
-            raise StoreError(f"version {version} is already stored")
-        prev = self.latest()
-        if prev is not None and version <= prev:
-            raise StoreError(f"version {version} is not newer than the latest stored version {prev}")
-        if prev is None or version % self.anchor_every == 0:
-            return self.put_anchor(version, weights)
-        if base is None:
-            base = self.get(prev)
-        delta = encode(base, weights, base_version=prev, target_version=version)
-        if delta.prefer_snapshot:
-            return self.put_anchor(version, weights)
-        return self.put_delta(delta.manifest, delta.chunks)
-
-    def put_state_dict(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> VersionInfo:
-        return self.put(version, Weights.from_tensors(state_dict))
+    def keep(
+        self,
+        manifest: Manifest,
+        chunks: Sequence[bytes | None] | None,
+        weights: Weights,
+        *,
+        seal: SealWire | None = None,
+    ) -> KeepDecision:
+        """Store version ``manifest.target_version`` (``weights``) as `AnchorPolicy` says: its delta
+        (``manifest`` and ``chunks``, when every chunk is at hand) or its full weights, or nothing
+        when it is stored already. `Keep.DELTA_THEN_ANCHOR` asks the caller to make the version an
+        anchor afterwards (`write_anchor`, off the version's path)."""
+        v, latest = manifest.target_version, self.latest()
+        whole = chunks is not None and not manifest.is_snapshot and all(c is not None for c in chunks)
+        base = manifest.base_version if whole else None
+        chain = None
+        if latest is not None and base == latest:
+            try:
+                chain = self.deltas_since_anchor(latest)
+            except StoreError:
+                chain = None  # a delta onto a chain that cannot be read could not be rebuilt
+        decision = self.policy.decide(v, latest=latest, base=base, chain=chain)
+        if decision.keep is Keep.ANCHOR:
+            self.put_anchor(v, weights, seal=seal)
+        elif decision.keep is not Keep.SKIP:
+            assert chunks is not None
+            self.put_delta(manifest, [c for c in chunks if c is not None], seal=seal)
+        return decision
 
     # ------------------------------------------------------------------ reading
     def _chain(self, v: int) -> list[VersionInfo]:
@@ -254,19 +266,6 @@ class DeltaStore:
             raise StoreError(f"{self.root / chain[-1].file}: version {v} rebuilt from the store does not match its "
                              "recorded digest")  # fmt: skip
         return w
-
-    def get_state_dict(self, v: int) -> dict[str, torch.Tensor]:
-        return self.get(v).to_tensors()
-
-    def read_delta(self, base_version: int, target_version: int) -> Delta:
-        """The delta from ``base_version`` to ``target_version``: the stored one, or composed."""
-        info = self.info(target_version)
-        if info.kind == "delta" and info.parent == base_version:
-            m, chunks = load_delta_file(self.root / info.file)
-            return Delta(m, tuple(chunks), EncodeStats())
-        # Equivalent to composing the stored chain (compose applies and re-encodes too).
-        return encode(self.get(base_version), self.get(target_version), base_version=base_version,
-                      target_version=target_version)  # fmt: skip
 
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_last: int) -> list[int]:
