@@ -11,7 +11,9 @@ every chunk is verified on arrival (`DeltaReceiver.add`) and forwarded at once
 the seal are in and the seal verifies. Children report their versions with
 `Have` messages; a child that is behind gets the missing deltas in order from
 the node's recent history (each with its seal), a composed delta, or a snapshot
-(both with the seal of the version they make).
+(both with the seal of the version they make): which one is
+`aurora.protocol.routing.choose_catch_up`'s rule, and the anchors of the store are
+`aurora.store.anchors.AnchorPolicy`'s.
 
 Wire messages (`aurora.protocol.messages`; buffers carry the bytes):
 
@@ -68,7 +70,17 @@ from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
 from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError, TransportClosed
 from aurora.events import ANCHOR_NOT_WRITTEN, CATCH_UP_SENT, SNAPSHOT_SENT, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
-from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
+from aurora.protocol.routing import (
+    Command,
+    Compose,
+    DeltaInfo,
+    Replay,
+    SendCatchUp,
+    SendChunk,
+    SendManifest,
+    VersionRouter,
+    choose_catch_up,
+)
 from aurora.runtime.groups import cancel_and_wait, wait_first
 from aurora.store import DeltaStore
 from aurora.store.anchors import Keep
@@ -621,7 +633,8 @@ class VersionFlow:
 
     async def _send_composed(self, ch: Channel, have: int) -> bool:
         """One delta from the child's version (read back from the store) to the current one; False
-        when a snapshot would be as small (then the caller sends what it would have)."""
+        when a snapshot would be as small (the encoder's ``prefer_snapshot``: then the caller sends
+        the choice's ``otherwise``)."""
         assert self.store is not None
         store = self.store
 
@@ -655,13 +668,18 @@ class VersionFlow:
             return version, seal, self._served[key]
 
     async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
-        start = self._replay_from(cmd.from_version, cmd.to_version)
-        have = cmd.from_version
-        if (self.store is not None and have is not None and have in self.store
-                and (start is None or start < cmd.to_version) and await self._send_composed(ch, have)):  # fmt: skip
-            return  # two or more versions behind, or beyond the history: one composed delta
-        if start is not None:
-            chain = range(start, cmd.to_version + 1)
+        """Send a behind child what `choose_catch_up` chooses; the one thing decided here is a composed
+        delta too big to be worth it (`_send_composed`), when the choice's ``otherwise`` goes instead."""
+        have, store = cmd.from_version, self.store
+        complete = {v: s.snapshot for v, s in self.history.items() if s.complete}
+        stored = store is not None and have is not None and have in store
+        choice = choose_catch_up(have, cmd.to_version, complete, stored=stored)
+        if isinstance(choice, Compose):
+            if await self._send_composed(ch, choice.base):
+                return
+            choice = choice.otherwise
+        if isinstance(choice, Replay):
+            chain = range(choice.first, choice.to + 1)
             for v in chain:
                 s = self.history[v]
                 await _send_delta(ch, None if s.snapshot else v - 1, v, s.manifest,
@@ -680,17 +698,6 @@ class VersionFlow:
         version, seal, (manifest, chunks) = made
         await _send_delta(ch, None, version, manifest, chunks, seal)
         log.info(SNAPSHOT_SENT, node=self.name, child=ch.peer, version=version)
-
-    def _replay_from(self, have: int | None, to: int) -> int | None:
-        """The first stored version of the shortest chain that brings a child holding ``have`` to
-        ``to``: back from ``to`` until the delta from ``have``, or a stored snapshot (full-weight
-        mode: one snapshot, not the whole chain of them). None when the history cannot."""
-        v = to
-        while v in self.history and self.history[v].complete:
-            if self.history[v].snapshot or v - 1 == have:
-                return v
-            v -= 1
-        return None
 
     def touched_since(self, version: int | None) -> frozenset[str] | None:
         """Tensors changed from ``version`` to the current one; None when not known (then: all)."""

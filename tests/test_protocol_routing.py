@@ -1,16 +1,28 @@
 """`VersionRouter` under random interleavings: no child gets a delta for a base it lacks, no chunk
-twice, and once the flow stops every attached child holds the latest version."""
+twice, and once the flow stops every attached child holds the latest version. `choose_catch_up`
+against a brute-force reference."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
+from aurora.protocol.routing import (
+    Command,
+    Compose,
+    DeltaInfo,
+    Replay,
+    SendCatchUp,
+    SendChunk,
+    SendManifest,
+    Snapshot,
+    VersionRouter,
+    choose_catch_up,
+)
 
 CHILDREN = ["c0", "c1", "c2"]
 
@@ -167,3 +179,63 @@ def test_a_child_behind_gets_one_catch_up_then_joins_the_stream() -> None:
     assert r.commands() == [SendCatchUp("new", None, 7)]
     r.child_version("old", 7)
     assert r.commands() == [SendManifest("old", DeltaInfo(7, 8, 2)), SendChunk("old", 8, 0)]
+
+
+def _chains(have: int | None, to: int, history: dict[int, bool]) -> list[int]:
+    """Reference: every first version of a chain the history holds that brings ``have`` to ``to``."""
+    return [
+        first
+        for first in range(to + 1)
+        if all(v in history for v in range(first, to + 1)) and (history[first] or first - 1 == have)
+    ]
+
+
+@given(
+    st.none() | st.integers(0, 12),
+    st.integers(0, 12),
+    st.dictionaries(st.integers(0, 12), st.sampled_from([False, False, False, True]), max_size=10),
+    st.booleans(),
+)
+def test_a_catch_up_replays_the_shortest_chain_composes_only_from_the_store_else_a_snapshot(
+    have: int | None, to: int, history: dict[int, bool], stored: bool
+) -> None:
+    """Whatever the history holds: a replay is the shortest chain the history holds from ``have`` to
+    ``to``; a chain is never passed over for a snapshot; a composed delta comes only from a stored
+    version, never for a child one delta behind, and falls back to what the choice is without the
+    store; a snapshot only when nothing else can serve."""
+    if have is not None and have >= to:
+        return  # the router sends a catch-up only to a child behind
+    stored = stored and have is not None
+    got = choose_catch_up(have, to, history, stored=stored)
+    chains = _chains(have, to, history)
+    alone = choose_catch_up(have, to, history, stored=False)
+    if isinstance(got, Compose):
+        assert stored
+        assert got.base == have
+        assert got.to == to
+        assert got.otherwise == alone
+        assert not chains or max(chains) < to, "a child one delta behind gets the history's delta"
+    else:
+        assert got == alone
+        assert not stored or (chains and max(chains) == to)
+    if chains:
+        assert isinstance(alone, Replay)
+        assert (alone.first, alone.to) == (max(chains), to)  # the shortest: latest start
+    else:
+        assert isinstance(alone, Snapshot)
+        assert alone.to == to
+
+
+def test_catch_up_choices_and_their_reasons() -> None:
+    history = {5: False, 6: False, 7: False}
+    assert choose_catch_up(6, 7, history, stored=True) == Replay(7, 7, "the history leads from a delta from v6 to v7")
+    composed = choose_catch_up(4, 7, history, stored=True)
+    assert isinstance(composed, Compose)
+    assert composed.reason == "v4 is stored, 3 versions to replay: one composed delta"
+    assert composed.otherwise == Replay(5, 7, "the history leads from a delta from v4 to v7")
+    far = choose_catch_up(1, 7, history, stored=True)
+    assert isinstance(far, Compose)
+    assert far.otherwise == Snapshot(7, "the history holds no way from v1 to v7")
+    assert choose_catch_up(None, 7, history, stored=False) == Snapshot(7, "the child holds nothing")
+    full = {5: True, 6: True, 7: True}  # full-weight mode: one snapshot, not the chain of them
+    assert choose_catch_up(2, 7, full, stored=False) == Replay(7, 7, "the history leads from a snapshot to v7")

@@ -11,9 +11,8 @@ Rules (outputs are drained with `commands()`):
   manifest, then every chunk that has already arrived, then each new chunk the
   moment it arrives — it never waits for this node to hold the whole delta;
 * **catch-up**: a child that is behind ``latest`` (or holds nothing) gets one
-  `SendCatchUp` from its version to ``latest`` (the driver serves a composed
-  delta or an anchor from its store, whichever is smaller); once it reports
-  ``latest`` it joins the stream of the in-flight delta;
+  `SendCatchUp` from its version to ``latest`` (what it is sent, `choose_catch_up`
+  decides: below); once it reports ``latest`` it joins the stream of the in-flight delta;
 * a child ahead of this node (it had a faster parent before) is sent nothing
   until this node catches up with it.
 
@@ -23,11 +22,36 @@ it — is that delta's base, and only after the delta's manifest; each chunk
 goes to each child at most once per attachment; when the flow stops, every
 attached child has been sent what brings it to ``latest``.
 
+**What a catch-up sends** (`choose_catch_up`, from the child's version ``have``, the
+target ``to``, the complete versions the node's history holds and whether its store
+holds ``have``):
+
+* `Replay`: the history's own versions, in order, when they lead from ``have`` to
+  ``to`` — the shortest such chain, from the delta made on ``have`` or from the newest
+  snapshot the history holds (full-weight mode: one snapshot, not a chain of them);
+* `Compose`: one delta from ``have`` made from the store, when the store holds
+  ``have`` and no chain leads there or the chain is two versions or longer — a child
+  one version behind is sent the history's delta, never a composed one;
+* `Snapshot`: the weights whole, when neither can.
+
+A composed delta that comes out about as big as a snapshot (the encoder's
+``prefer_snapshot``: only the driver, holding the weights, can know) is not sent:
+the driver sends `Compose.otherwise` instead, which is what the choice is without
+the store. A composed delta or a snapshot is made from the version the node holds
+when it makes it, which may be newer than ``to``.
+
+Invariants (tests/test_protocol_routing.py, against a brute-force reference): a
+`Replay` names versions the history holds, each from the one before, starting
+from a snapshot or the delta on ``have``, and no shorter chain exists; whenever a
+chain exists and the store cannot serve, it is replayed, never a snapshot; a
+`Compose` is chosen only from a version the store holds.
+
 Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -165,3 +189,60 @@ class VersionRouter:
             c.streaming, c.sent = d.target, set(self.arrived)
             self._out.append(SendManifest(name, d))
             self._out.extend(SendChunk(name, d.target, i) for i in sorted(self.arrived))
+
+
+# -- what a catch-up sends
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Send the history's versions ``first``..``to`` in order (``first`` is a snapshot or the delta
+    from the child's version)."""
+
+    first: int
+    to: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Send the weights held, whole."""
+
+    to: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Compose:
+    """Send one delta from ``base`` (read back from the store) to the weights held; when it comes out
+    about as big as a snapshot, send ``otherwise``."""
+
+    base: int
+    to: int
+    reason: str
+    otherwise: Replay | Snapshot
+
+
+CatchUp = Replay | Compose | Snapshot
+
+
+def choose_catch_up(have: int | None, to: int, history: Mapping[int, bool], *, stored: bool) -> CatchUp:
+    """What to send a child holding ``have`` (None: nothing) to bring it to ``to`` (the module
+    docstring's rules). ``history``: the complete versions the node holds to replay, each mapped to
+    whether it is a snapshot (True) or the delta from the version before (False); ``stored``: the
+    node's store holds ``have``."""
+    first, v = None, to
+    while v in history:  # back from ``to`` to the first version that needs nothing before it
+        if history[v] or v - 1 == have:
+            first = v
+            break
+        v -= 1
+    if first is not None:
+        what = "snapshot" if history[first] else f"delta from v{have}"
+        fallback: Replay | Snapshot = Replay(first, to, f"the history leads from a {what} to v{to}")
+    elif have is None:
+        fallback = Snapshot(to, "the child holds nothing")
+    else:
+        fallback = Snapshot(to, f"the history holds no way from v{have} to v{to}")
+    if stored and have is not None and (first is None or first < to):
+        why = "beyond the history" if first is None else f"{to - first + 1} versions to replay"
+        return Compose(have, to, f"v{have} is stored, {why}: one composed delta", fallback)
+    return fallback
