@@ -183,7 +183,10 @@ class VersionFlow:
         """Per child, what the router asked to send it, in order: drained by that child's own task
         (`serve_child`), so a slow or stuck child holds up nobody else."""
         self._served: OrderedDict[tuple[int | None, int], tuple[bytes, tuple[bytes, ...]]] = OrderedDict()
-        """The last composed deltas and snapshots made for catch-ups: (from, to) -> (manifest, chunks)."""
+        """The last composed deltas and snapshots made for catch-ups: (from, to) -> (manifest, chunks); a
+        snapshot only while it is being sent (`_sending`)."""
+        self._sending: dict[tuple[int | None, int], int] = {}
+        """Sends in flight of each snapshot in `_served`: children that ask meanwhile share it."""
         self._run_id: bytes | None = None
         self._tg: asyncio.TaskGroup | None = None
         """The owner of the anchor writes (`start_in`): the node's task group."""
@@ -696,7 +699,15 @@ class VersionFlow:
         made = await self._made(None, snapshot)  # labelled with what the weights are now
         assert made is not None
         version, seal, (manifest, chunks) = made
-        await _send_delta(ch, None, version, manifest, chunks, seal)
+        key = (None, version)
+        self._sending[key] = self._sending.get(key, 0) + 1
+        try:
+            await _send_delta(ch, None, version, manifest, chunks, seal)
+        finally:
+            self._sending[key] -= 1
+            if not self._sending[key]:  # the size of the weights: kept made only while it is being sent
+                del self._sending[key]
+                self._served.pop(key, None)
         log.info(SNAPSHOT_SENT, node=self.name, child=ch.peer, version=version)
 
     def touched_since(self, version: int | None) -> frozenset[str] | None:
@@ -769,5 +780,5 @@ async def _send_delta(ch: Channel, base: int | None, target: int, manifest: byte
 
 def _commit_snapshot(inc: _Incoming, check: Any, threads: int) -> Weights:
     fresh = blank_weights(inc.manifest)
-    inc.receiver.stage(None, threads=threads).commit(fresh, check=check)
+    inc.receiver.stage(None, threads=threads).commit(fresh, check=check, restore=False)  # dropped if it fails
     return fresh

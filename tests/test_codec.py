@@ -8,7 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aurora.codec import DeltaReceiver, Transform, Weights, apply, apply_in_place, compose, encode, invert
+from aurora.codec import DeltaReceiver, Transform, Weights, apply, apply_in_place, compose, encode, invert, receive
+from aurora.codec.decoder import blank_weights
 from aurora.codec.dtypes import BY_NAME
 from aurora.codec.encoder import Coding
 from aurora.errors import DeltaFormatError
@@ -254,6 +255,29 @@ def test_decoding_ahead_reports_nothing_and_stage_still_refuses_a_wrong_base_or_
     assert rx.decode_arrived(Weights.from_tensors({"x": torch.zeros(3)})) == 0  # another layout: nothing to do
     rx.stage(b).commit(w := b.copy())
     assert w.digest() == t.digest()
+
+
+def test_a_commit_into_scratch_keeps_no_old_bits_and_a_snapshot_stages_its_bodies_in_place() -> None:
+    """``restore=False`` (a snapshot's fresh weights) writes without keeping the old bits, so a failing
+    check leaves them written (the caller drops them); RAW patches are the staged bodies, not copies."""
+    b = Weights.from_tensors({"w": torch.randn(3000).to(torch.bfloat16)})
+    snap = encode(None, b, base_version=None, target_version=0)
+    rx = receive(snap.manifest, snap.chunks)
+    staged = rx.stage(None)
+    assert all(not p.new.flags.owndata and not p.new.flags.writeable for p in staged.patches)
+
+    def refuse(_: Weights) -> None:
+        raise ValueError("no")
+
+    kept = blank_weights(snap.manifest)
+    with pytest.raises(ValueError, match="no"):
+        staged.commit(kept, check=refuse)
+    assert not kept["w"].bits.any()  # restored to the zeros it held
+    scratch = blank_weights(snap.manifest)
+    with pytest.raises(ValueError, match="no"):
+        staged.commit(scratch, check=refuse, restore=False)
+    assert scratch["w"].bits.tolist() == b["w"].bits.tolist()  # written, not restored: the caller drops it
+    assert apply(None, snap.manifest, snap.chunks).digest() == b.digest()
 
 
 def test_threads_give_identical_bytes_and_results() -> None:

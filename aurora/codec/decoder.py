@@ -243,9 +243,8 @@ def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
     """One chunk's patch (``None`` when it changes nothing)."""
     h = c.header
     d = h.dtype
-    if h.kind is ChunkKind.RAW:
-        new = np.frombuffer(c.body, dtype=d.uint).copy()
-        return Patch(name, h.start, None, new)
+    if h.kind is ChunkKind.RAW:  # the staged body itself, read-only: a commit copies it into place
+        return Patch(name, h.start, None, np.frombuffer(c.body, dtype=d.uint))
     if h.n_changed == 0:
         return None
     if h.kind is ChunkKind.SPARSE:
@@ -311,23 +310,27 @@ class StagedDelta:
     def touched(self) -> set[str]:
         return {p.name for p in self.patches}
 
-    def commit(self, weights: Weights, *, check: Callable[[Weights], None] | None = None) -> set[str]:
+    def commit(self, weights: Weights, *, check: Callable[[Weights], None] | None = None,
+               restore: bool = True) -> set[str]:  # fmt: skip
         """Apply in place; verify digests; restore and raise on mismatch. Returns touched names.
 
         ``check``, if given, runs on the result after the digests match; if it raises, the base is
-        restored too (a caller's own test of the result, e.g. a cryptographic hash)."""
+        restored too (a caller's own test of the result, e.g. a cryptographic hash). ``restore=False``:
+        ``weights`` are scratch the caller drops if this raises (a snapshot's fresh weights), so no old
+        bits are kept — for a snapshot, a second copy of the weights not held."""
         m = self.manifest
         undo: list[tuple[Patch, np.ndarray]] = []
         try:
             for p in self.patches:
                 dst = weights[p.name].bits
                 if p.idx is None:
-                    old = dst[p.start : p.start + p.n].copy()
+                    old = dst[p.start : p.start + p.n].copy() if restore else p.new[:0]
                     dst[p.start : p.start + p.n] = p.new
                 else:
                     old = np.empty_like(p.new)
                     kernels.scatter(dst, p.idx, p.new, old)
-                undo.append((p, old))
+                if restore:
+                    undo.append((p, old))
             weights.forget_digests({p.name for p in self.patches})  # the others' bits did not change
             check_target(m, weights.tensor_digests())
             if check is not None:
@@ -372,7 +375,7 @@ def apply(
     """A new weight set: ``base`` with the delta applied (``base`` is not modified)."""
     staged = receive(manifest, chunks).stage(base, threads=threads)
     out = blank_weights(manifest) if base is None else base.copy()
-    staged.commit(out)
+    staged.commit(out, restore=False)  # ``out`` is new: dropped if this raises
     return out
 
 
