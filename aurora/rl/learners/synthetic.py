@@ -77,9 +77,12 @@ class SyntheticLearner:
         self.rng = np.random.default_rng((self.spec.seed, version))
 
     def step(self, batch: Sequence[Any] = ()) -> Weights:
+        """The next version: each tensor a new array (the arrays of a version returned are never written
+        again, so a version shares them with the learner and costs one copy of the weights, not two)."""
         if self.spec.step_s:
             time.sleep(self.spec.step_s)
-        for bits in self._bits.values():
+        for name, old in self._bits.items():
+            bits = self._bits[name] = old.copy()
             k = max(1, round(bits.size * self.spec.density))
             pos = self.rng.choice(bits.size, size=k, replace=False)
             steps = self.rng.choice(np.array([-2, -1, 1, 2], dtype=np.int32), size=k, p=[0.1, 0.4, 0.4, 0.1])
@@ -93,4 +96,5 @@ class SyntheticLearner:
 
 
 def _as_bf16(bits: np.ndarray) -> Any:
-    return torch.from_numpy(bits.copy().view(np.int16)).view(torch.bfloat16)
+    """A bf16 tensor over ``bits`` (no copy: `SyntheticLearner.step` never writes a returned array)."""
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
