@@ -98,3 +98,11 @@ def peak_rss_bytes(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Process ``pid``'s resident memory now (None once it is gone)."""
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
