@@ -115,6 +115,8 @@ def render(snap: Snapshot) -> str:
             via += f" (planned {snap.planned.get(name, '?')})"
         parts = [f"{name:<12} v{'-' if r.version is None else r.version:<4} via {via:<10}",
                  f"in {r.bytes_in / 1e6:7.2f} MB"]  # fmt: skip
+        if r.link_mbit is not None:
+            parts.append(f"link {r.link_mbit:.0f} Mbit/s")
         if r.completions is not None:
             parts.append(f"done {r.completions} ok {r.accepted} rejected {r.rejected} "
                          f"{r.tok_s or 0:.0f} tok/s, switches {r.switches} ({r.switch_ms or 0:.1f} ms avg)")  # fmt: skip

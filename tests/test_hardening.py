@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from aurora.actors.node import Node, run_node
-from aurora.actors.status import ClusterStatus
+from aurora.actors.status import ClusterStatus, render
 from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -109,6 +109,14 @@ def test_status_is_kept_only_for_the_topologys_nodes() -> None:
     # a report carrying anything beyond its schema never decodes
     with pytest.raises(wire.BadMessage):
         wire.decode_app(msgpack.packb({"k": "status", "n": "rollout", "r": {"version": 1, "junk": "x" * 4_000_000}}))
+    # nor a link rate that is not a positive finite number: the coding choice reads the lowest
+    for bad in (float("nan"), float("-inf"), -1.0, 0.0, 1e300):
+        with pytest.raises(wire.BadMessage):
+            wire.decode_app(msgpack.packb({"k": "status", "n": "rollout", "r": {"version": 1, "link_mbit": bad}}))
+    st_.on_report("relay", wire.NodeReport(version=4, link_mbit=95.5))
+    assert st_.slowest_link() == (95.5, "relay")
+    pool = {"accepted": 0, "rejected": {}, "in_flight": 0, "pending": 0, "dropped_stale": 0, "parked": 0}
+    assert "link 96 Mbit/s" in render(st_.snapshot(4, pool))
 
 
 async def test_a_corrupt_newest_stored_version_resumes_from_the_newest_intact_one(tmp_path: Path) -> None:
