@@ -395,14 +395,20 @@ def test_two_spans_side_by_side_give_what_each_gives_alone(
         assert new.tolist() == want[2].tolist()
 
 
-def test_bench_codec_scale_measures_both_sides_and_every_kernel() -> None:
-    from aurora.bench.codec_scale import format_scale, run_scale
+def test_bench_codec_scale_measures_both_sides_both_steps_both_codings_and_every_kernel() -> None:
+    from aurora.bench.codec_scale import WORKLOADS, format_scale, run_scale
 
     out: list[str] = []
-    (row,) = run_scale([1 << 20], threads=2, progress=out.append)
-    assert row.elements == 1 << 20
-    assert 0 < row.delta_bytes < row.elements * 2 // 10
-    assert min(row.memcpy_gbps, row.encode_gbps, row.apply_gbps, row.encode_gbps_all, row.apply_gbps_all) > 0
-    assert row.codec_over_wire(1e9, True) > 0
-    assert "1M" in format_scale([row], 0.01)
+    rows = run_scale([1 << 20], threads=2, progress=out.append)
+    assert [(r.workload, r.coding) for r in rows] == [(w, c.value) for w in WORKLOADS for c in Coding]
+    for row in rows:
+        assert row.elements == 1 << 20
+        assert 0 < row.delta_bytes < row.elements * 2 // 5
+        assert min(row.memcpy_gbps, row.encode_gbps, row.apply_gbps, row.encode_gbps_all, row.apply_gbps_all) > 0
+        assert row.codec_over_wire(1e9, True) > 0
+    uniform, adam = rows[0], rows[2]
+    assert uniform.density == pytest.approx(0.01, rel=0.01)
+    assert 0.002 < adam.density < 0.05  # an Adam step at lr 1e-6 moves about 1 % of bf16 weights
+    assert rows[1].delta_bytes > 2 * uniform.delta_bytes  # sparse: more bytes for the same step
+    assert "1M uniform 1%" in format_scale(rows)
     assert any("locate (scan, ranks)" in m for m in out)  # the kernel profile follows the table

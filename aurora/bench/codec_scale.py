@@ -1,12 +1,16 @@
 """`aurora bench codec --scale`: the codec's cost at model sizes, next to memory and wire speed.
 
 For each size (bf16 elements, in tensors of 16 M elements like a real checkpoint's
-large matrices), a synthetic step at 1 % density (positions uniform, ±1–2 ULP):
-encode and apply (digests checked) GB/s of weights on one thread and on every
-core, a memory copy of the same bytes in the same run, each side's ratio to the
-copy, (encode + apply) against the delta's wire time at 100 Mbit/s and 1 Gbit/s,
-and the peak memory each side needs beyond the weights it holds (heap in use, sampled
-while it runs), next to the delta's bytes.
+large matrices), two steps: ``uniform 1%`` (1 % of positions, uniform, stepped by
+±1–2 ULP: the coder on its own) and ``AdamW lr 1e-6`` (fp32 masters ~N(0, 0.02)
+moved by an Adam-sized update of ~lr each and cast to bf16 before and after, as a
+trainer publishes: what changes depends on the exponent, at its own density). Each
+step is coded both ways (CONDITIONED, the default, and SPARSE): encode and apply
+(digests checked) GB/s of weights on one thread and on every core, a memory copy of
+the same bytes in the same run, each side's ratio to the copy, (encode + apply)
+against the delta's wire time at 100 Mbit/s and 1 Gbit/s, and the peak memory each
+side needs beyond the weights it holds (heap in use, sampled while it runs), next to
+the delta's bytes.
 
 The weights are made slice by slice (no float32 copy of the whole set), so 1 G
 elements need about 3 × 2 GB: base, target, and the receiver's working copy.
@@ -18,17 +22,24 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from aurora.bench.codec import _best
 from aurora.codec import Weights, apply_in_place, encode
+from aurora.codec.encoder import Coding, Delta
 
 TENSOR = 16 << 20
 """Elements per tensor."""
 LINKS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
+
+
+WORKLOADS = ("uniform 1%", "AdamW lr 1e-6")
+"""The steps measured at each size (see the module docstring)."""
+ADAM_LR = 1e-6
 
 
 @dataclass
@@ -45,11 +56,40 @@ class ScaleRow:
     """Peak heap the encoder held beyond base and target (MB; the delta it returns included)."""
     apply_peak_mb: float
     """Peak heap the receiver held beyond its weights and the delta it was given (MB)."""
+    workload: str = WORKLOADS[0]
+    coding: str = "conditioned"
+    density: float = 0.01
 
     def codec_over_wire(self, bits_per_s: float, all_threads: bool) -> float:
         enc, app = (self.encode_gbps_all, self.apply_gbps_all) if all_threads else (self.encode_gbps, self.apply_gbps)
         codec_s = self.elements * 2 / (enc * 1e9) + self.elements * 2 / (app * 1e9)
         return codec_s / (self.delta_bytes * 8 / bits_per_s)
+
+
+def _bf16(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+def _rne_bf16_bits(f: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns, rounded to nearest even (what ``tensor.to(torch.bfloat16)`` does)."""
+    x = f.view(np.uint32)
+    return ((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def adam_pair(n: int, lr: float, seed: int) -> tuple[Weights, Weights]:
+    """fp32 masters ~N(0, 0.02) in tensors of `TENSOR` elements and one Adam-like step of them (each moved
+    by ``lr`` times a clipped N(0, 1): Adam's normalised update), both cast to bf16: a trainer's two
+    versions. The density is the step's own (about 1 % at lr 1e-6)."""
+    rng = np.random.default_rng(seed)
+    base: dict[str, torch.Tensor] = {}
+    target: dict[str, torch.Tensor] = {}
+    for i, lo in enumerate(range(0, n, TENSOR)):
+        m = min(TENSOR, n - lo)
+        master = rng.standard_normal(m, dtype=np.float32) * np.float32(0.02)
+        update = np.clip(rng.standard_normal(m, dtype=np.float32), -3, 3) * np.float32(lr)
+        name = f"layers.{i:04d}.weight"
+        base[name], target[name] = _bf16(_rne_bf16_bits(master)), _bf16(_rne_bf16_bits(master - update))
+    return Weights.from_tensors(base), Weights.from_tensors(target)
 
 
 def step_pair(n: int, density: float, seed: int) -> tuple[Weights, Weights]:
@@ -67,13 +107,8 @@ def step_pair(n: int, density: float, seed: int) -> tuple[Weights, Weights]:
         t[pos] = (t[pos].astype(np.int32) + steps).astype(np.uint16)
         name = f"layers.{i:04d}.weight"
         base[name], target[name] = b, t
-    import torch
-
-    def bf16(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-
-    return (Weights.from_tensors({k: bf16(v) for k, v in base.items()}),
-            Weights.from_tensors({k: bf16(v) for k, v in target.items()}))  # fmt: skip
+    return (Weights.from_tensors({k: _bf16(v) for k, v in base.items()}),
+            Weights.from_tensors({k: _bf16(v) for k, v in target.items()}))  # fmt: skip
 
 
 class _MallInfo2(ctypes.Structure):
@@ -125,87 +160,96 @@ def _peak_added_mb(f: Callable[[], object]) -> float:
     return max(0, peak - before) / 1e6
 
 
-def scale_row(n: int, density: float, threads: int, reps: int) -> ScaleRow:
-    base, target = step_pair(n, density, seed=n % 1000)
-    d = encode(base, target, base_version=0, target_version=1)  # compiles the kernels, sizes the delta
+def scale_rows(n: int, workload: str, threads: int, reps: int) -> list[ScaleRow]:
+    """One step of ``workload`` at ``n`` elements, coded each way (one row per coding)."""
+    base, target = step_pair(n, 0.01, seed=n % 1000) if workload == WORKLOADS[0] else adam_pair(n, ADAM_LR, n % 997)
     base.tensor_digests()  # a publisher knows its base's digests already
     work = base.copy()
     names = list(base)
+    gb = n * 2 / 1e9
 
     def copy_all(dst: Weights, src: Weights) -> None:
         for k in names:
             np.copyto(dst[k].bits, src[k].bits)
 
-    def enc(t: int) -> Callable[[], object]:
-        def f() -> object:
-            target.forget_digests()
-            return encode(base, target, base_version=0, target_version=1, threads=t)
+    rows = []
+    for coding in Coding:
+        d = encode(base, target, base_version=0, target_version=1, coding=coding)  # compiles, sizes the delta
 
-        return f
+        def enc(t: int, coding: Coding = coding) -> Callable[[], object]:
+            def f() -> object:
+                target.forget_digests()
+                return encode(base, target, base_version=0, target_version=1, threads=t, coding=coding)
 
-    def app(t: int) -> Callable[[], None]:
-        def f() -> None:
-            apply_in_place(work, d.manifest, d.chunks, threads=t)
+            return f
 
-        return f
+        def app(t: int, d: Delta = d) -> Callable[[], None]:
+            def f() -> None:
+                apply_in_place(work, d.manifest, d.chunks, threads=t)
 
-    def timed_apply(t: int) -> float:
-        best = float("inf")
-        for _ in range(reps):
-            copy_all(work, base)  # back to the base (not timed)
-            work.forget_digests()
-            t0 = time.perf_counter()
-            app(t)()
-            best = min(best, time.perf_counter() - t0)
-        return best
+            return f
 
-    t_copy = _best(lambda: copy_all(work, base), reps)
-    gb = n * 2 / 1e9
-    e1, ea = gb / _best(enc(1), reps), gb / _best(enc(threads), reps)
-    a1, aa = gb / timed_apply(1), gb / timed_apply(threads)
-    enc_peak = _peak_added_mb(enc(threads))
-    copy_all(work, base)
-    work.forget_digests()
-    app_peak = _peak_added_mb(app(threads))
-    return ScaleRow(n, d.nbytes, threads, gb / t_copy, e1, a1, ea, aa, enc_peak, app_peak)
+        def timed_apply(t: int) -> float:
+            best = float("inf")
+            for _ in range(reps):
+                copy_all(work, base)  # back to the base (not timed)
+                work.forget_digests()
+                t0 = time.perf_counter()
+                app(t)()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        t_copy = _best(lambda: copy_all(work, base), reps)
+        e1, ea = gb / _best(enc(1), reps), gb / _best(enc(threads), reps)
+        a1, aa = gb / timed_apply(1), gb / timed_apply(threads)
+        enc_peak = _peak_added_mb(enc(threads))
+        copy_all(work, base)
+        work.forget_digests()
+        app_peak = _peak_added_mb(app(threads))
+        copy_all(work, base)
+        work.forget_digests()
+        rows.append(ScaleRow(n, d.nbytes, threads, gb / t_copy, e1, a1, ea, aa, enc_peak, app_peak, workload,
+                             coding.value, d.stats.density))  # fmt: skip
+    return rows
 
 
-def run_scale(sizes: list[int], *, density: float = 0.01, threads: int | None = None,
+def run_scale(sizes: list[int], *, workloads: Sequence[str] = WORKLOADS, threads: int | None = None,
               progress: Callable[[str], None] = print) -> list[ScaleRow]:  # fmt: skip
-    import torch
-
     torch.set_num_threads(1)
     threads = threads or len(os.sched_getaffinity(0))
     rows = []
     for n in sizes:
-        progress(f"{n / 2**20:.0f} M elements ({n * 2 / 1e9:.2f} GB of bf16) at {density:.0%} ...")
-        rows.append(scale_row(n, density, threads, reps=1 if n >= 1 << 30 else 2))
-    progress(format_scale(rows, density))
+        for w in workloads:
+            progress(f"{n / 2**20:.0f} M elements ({n * 2 / 1e9:.2f} GB of bf16), {w} ...")
+            rows += scale_rows(n, w, threads, reps=1 if n >= 1 << 30 else 2)
+    progress(format_scale(rows))
     progress("")
     span = min(16 << 20, max(sizes))
-    progress(format_kernels(kernel_profile(span, density=density), span, density))
+    progress(format_kernels(kernel_profile(span, density=0.01), span, 0.01))
     return rows
 
 
-def format_scale(rows: list[ScaleRow], density: float) -> str:
+def format_scale(rows: list[ScaleRow]) -> str:
     t = rows[0].threads if rows else 1
-    head = (f"{'elements':>9}{'delta MB':>10}{'memcpy':>8}{'enc 1t':>8}{'app 1t':>8}{'enc/cp':>8}{'app/cp':>8}"
-            f"{f'enc {t}t':>8}{f'app {t}t':>8}{'x1t':>6}" + "".join(f"{f'/wire {k}':>17}" for k in LINKS)
-            + f"{'enc +MB':>9}{'app +MB':>9}")  # fmt: skip
-    lines = [f"codec at scale: bf16, {density:.0%} of positions stepped by ±1–2 ULP; GB/s of weights", head,
-             "-" * len(head)]  # fmt: skip
+    head = (f"{'elements':>9} {'step':<14}{'density':>8} {'coding':<12}{'delta MB':>9}{'memcpy':>8}{'enc 1t':>8}"
+            f"{'app 1t':>8}{'enc/cp':>8}{'app/cp':>8}{f'enc {t}t':>8}{f'app {t}t':>8}{'x1t':>6}"
+            + "".join(f"{f'/wire {k}':>17}" for k in LINKS) + f"{'enc +MB':>9}{'app +MB':>9}")  # fmt: skip
+    lines = ["codec at scale, bf16; GB/s of weights", head, "-" * len(head)]
     for r in rows:
         speedup = (r.encode_gbps_all / r.encode_gbps + r.apply_gbps_all / r.apply_gbps) / 2
         wire = "".join(f"{r.codec_over_wire(bps, False):>8.1f}x/{r.codec_over_wire(bps, True):>6.1f}x"
                        for bps in LINKS.values())  # fmt: skip
-        lines.append(f"{r.elements / 2**20:>8.0f}M{r.delta_bytes / 1e6:>10.2f}{r.memcpy_gbps:>8.2f}"
-                     f"{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}{r.encode_gbps / r.memcpy_gbps:>8.2f}"
-                     f"{r.apply_gbps / r.memcpy_gbps:>8.2f}{r.encode_gbps_all:>8.2f}{r.apply_gbps_all:>8.2f}"
-                     f"{speedup:>6.2f}{wire}{r.encode_peak_mb:>9.0f}{r.apply_peak_mb:>9.0f}")  # fmt: skip
+        lines.append(f"{r.elements / 2**20:>8.0f}M {r.workload:<14}{r.density:>8.2%} {r.coding:<12}"
+                     f"{r.delta_bytes / 1e6:>9.2f}{r.memcpy_gbps:>8.2f}{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}"
+                     f"{r.encode_gbps / r.memcpy_gbps:>8.2f}{r.apply_gbps / r.memcpy_gbps:>8.2f}"
+                     f"{r.encode_gbps_all:>8.2f}{r.apply_gbps_all:>8.2f}{speedup:>6.2f}{wire}"
+                     f"{r.encode_peak_mb:>9.0f}{r.apply_peak_mb:>9.0f}")  # fmt: skip
     lines += [
-        "memcpy: a copy of the same weights in the same run (one thread); enc/cp, app/cp: one thread's ratio to it;",
-        f"x1t: mean speed-up of {t} threads over one; /wire: (encode + apply) time over the delta's wire time,",
-        "one thread / all threads; +MB: peak heap each side held beyond the weights (and the delta given to apply).",
+        "step: uniform 1% = 1 % of positions, uniform, +-1-2 ULP; AdamW lr 1e-6 = fp32 masters moved by an Adam-sized",
+        "update and cast to bf16 (its own density). memcpy: a copy of the same weights in the same run (one thread);",
+        f"enc/cp, app/cp: one thread's ratio to it; x1t: mean speed-up of {t} threads over one; /wire: (encode +",
+        "apply) time over the delta's wire time, one thread / all threads; +MB: peak heap each side held beyond the",
+        "weights (and the delta given to apply).",
     ]
     return "\n".join(lines)
 
