@@ -76,39 +76,46 @@ def _rne_bf16_bits(f: np.ndarray) -> np.ndarray:
     return ((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
-def adam_pair(n: int, lr: float, seed: int) -> tuple[Weights, Weights]:
-    """fp32 masters ~N(0, 0.02) in tensors of `TENSOR` elements and one Adam-like step of them (each moved
-    by ``lr`` times a clipped N(0, 1): Adam's normalised update), both cast to bf16: a trainer's two
-    versions. The density is the step's own (about 1 % at lr 1e-6)."""
+def _tensor_pairs(n: int, seed: int, make: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+                  ) -> tuple[Weights, Weights]:  # fmt: skip
+    """``n`` bf16 elements as a base and a target in tensors of `TENSOR` elements, each tensor's two bit
+    arrays made by ``make(rng, size)`` (slice by slice: no float32 copy of the whole set)."""
     rng = np.random.default_rng(seed)
     base: dict[str, torch.Tensor] = {}
     target: dict[str, torch.Tensor] = {}
     for i, lo in enumerate(range(0, n, TENSOR)):
-        m = min(TENSOR, n - lo)
-        master = rng.standard_normal(m, dtype=np.float32) * np.float32(0.02)
-        update = np.clip(rng.standard_normal(m, dtype=np.float32), -3, 3) * np.float32(lr)
+        b, t = make(rng, min(TENSOR, n - lo))
         name = f"layers.{i:04d}.weight"
-        base[name], target[name] = _bf16(_rne_bf16_bits(master)), _bf16(_rne_bf16_bits(master - update))
+        base[name], target[name] = _bf16(b), _bf16(t)
     return Weights.from_tensors(base), Weights.from_tensors(target)
 
 
+def adam_pair(n: int, lr: float, seed: int) -> tuple[Weights, Weights]:
+    """fp32 masters ~N(0, 0.02) and one Adam-like step of them (each moved by ``lr`` times a clipped
+    N(0, 1): Adam's normalised update), both cast to bf16: a trainer's two versions. The density is
+    the step's own (about 3 % at lr 1e-6)."""
+
+    def make(rng: np.random.Generator, m: int) -> tuple[np.ndarray, np.ndarray]:
+        master = rng.standard_normal(m, dtype=np.float32) * np.float32(0.02)
+        update = np.clip(rng.standard_normal(m, dtype=np.float32), -3, 3) * np.float32(lr)
+        return _rne_bf16_bits(master), _rne_bf16_bits(master - update)
+
+    return _tensor_pairs(n, seed, make)
+
+
 def step_pair(n: int, density: float, seed: int) -> tuple[Weights, Weights]:
-    """bf16 N(0, 0.02) weights in tensors of `TENSOR` elements, and a step that moves ``density`` of them."""
-    rng = np.random.default_rng(seed)
-    base: dict[str, np.ndarray] = {}
-    target: dict[str, np.ndarray] = {}
-    for i, lo in enumerate(range(0, n, TENSOR)):
-        m = min(TENSOR, n - lo)
+    """bf16 N(0, 0.02) weights and a step that moves ``density`` of them by ±1–2 ULP, at uniform positions."""
+
+    def make(rng: np.random.Generator, m: int) -> tuple[np.ndarray, np.ndarray]:
         f = rng.standard_normal(m, dtype=np.float32) * np.float32(0.02)
         b = (f.view(np.uint32) + np.uint32(0x8000) >> np.uint32(16)).astype(np.uint16)  # round to bf16 bits
         t = b.copy()
         pos = rng.choice(m, size=round(m * density), replace=False)
         steps = rng.choice(np.array([-2, -1, 1, 2], np.int32), size=pos.size, p=[0.1, 0.4, 0.4, 0.1])
         t[pos] = (t[pos].astype(np.int32) + steps).astype(np.uint16)
-        name = f"layers.{i:04d}.weight"
-        base[name], target[name] = b, t
-    return (Weights.from_tensors({k: _bf16(v) for k, v in base.items()}),
-            Weights.from_tensors({k: _bf16(v) for k, v in target.items()}))  # fmt: skip
+        return b, t
+
+    return _tensor_pairs(n, seed, make)
 
 
 class _MallInfo2(ctypes.Structure):
