@@ -35,14 +35,16 @@ Trust and isolation (docs/security.md):
   anything that goes wrong with a parent's stream makes the node leave that parent
   (`parent_failed`) and try the next: no peer can crash an actor or the node.
 
-The tree that runs is the planned tree: at start a node keeps trying its planned
-parent for `PLANNED_PATIENCE_S` before it falls back, and a node on a fallback
-parent probes its planned parent and returns once that has accepted probes for
-``return_after_s`` (hysteresis: a flapping parent does not pull children back and
-forth). A parent answers a child's hello with its path from the trainer, or refuses
-the child while it is itself detached or when the child is its own ancestor; a node
-whose parent's path comes to run through itself leaves that parent — so failover
-never closes a cycle. Logs say what happened: ``version_published``,
+The tree that runs is the planned tree: at start a node keeps trying its planned parent
+for `PLANNED_PATIENCE_S` before it falls back, and a node on a fallback parent probes its
+planned parent and returns once that has accepted probes for ``return_after_s``
+(hysteresis: a flapping parent does not pull children back and forth). A parent answers a
+child's hello with its path from the trainer, or refuses the child while it is itself
+detached or when the child is its own ancestor; a node whose parent's path comes to run
+through itself leaves that parent — so failover never closes a cycle. These rules are
+values in `aurora.protocol.membership`: the uplink actor drives its `Uplink` machine (sleeps
+until its next deadline, dials whom it names, feeds it what the parent says and does) and
+children are answered by the node's `Place`. Logs say what happened: ``version_published``,
 ``version_committed``, ``parent_attached``, ``parent_lost``, ``parent_failed``,
 ``parent_return``, ``child_attached``, ``child_failed``, ``engine_switched``, ``step``
 (the names other code reads are constants in `aurora.events`).
@@ -55,10 +57,10 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import msgspec
 import structlog
@@ -100,6 +102,23 @@ from aurora.events import (
     WEBRTC_PARENT_CONNECTED,
 )
 from aurora.protocol.leases import LeaseHolder
+from aurora.protocol.membership import (
+    Dial,
+    Leave,
+    Output,
+    ParentAttached,
+    ParentFailed,
+    ParentLost,
+    ParentRefused,
+    ParentUnreachable,
+    Place,
+    Probe,
+    SendHello,
+    TellChildren,
+    TreeRules,
+    Uplink,
+)
+from aurora.protocol.membership import Event as MembershipEvent
 from aurora.protocol.messages import (
     DOWN,
     MAX_MANIFEST_BYTES,
@@ -133,15 +152,10 @@ if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology 
 
 log = structlog.get_logger("aurora.node")
 
-RETRY_PAUSE_S = 0.5
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 30.0
-PLANNED_PATIENCE_S = 60.0
-"""At start, how long a node keeps trying its planned parent before it falls back (a trainer may
-take a minute to load a real model before it listens)."""
-QUARANTINE_S = 600.0
-"""A parent whose stream failed verification (or broke the protocol) is not gone back to, nor
-probed for a return, for this long: it may be compromised, and it would only fail again."""
+_now = time.monotonic
+"""The clock of the node's membership (`aurora.protocol.membership` takes its ``now`` from here)."""
 
 
 class NodeTransport(Transport, Protocol):
@@ -233,7 +247,7 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
     if spec.listen is not None:
         specs.append(ChildSpec("children", actor=lambda: _Children(node, zt)))
     if parent is not None:
-        order = [parent, *tree.fallbacks.get(name, ())]
+        order = node.rules.order(name)
         specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, order, lost_after_s)))
     if node.pool is not None:
         pool, board = node.pool, node.board
@@ -246,27 +260,6 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
         specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
                                                               holder, stats)))  # fmt: skip
     return specs
-
-
-def _may_attach(tree: Tree) -> dict[str, set[str]]:
-    """Per node, the nodes the topology lets attach under it (the planned tree and every fallback)."""
-    under: dict[str, set[str]] = {n: set() for n in tree.parent}
-    for child, p in tree.parent.items():
-        for q in [p, *tree.fallbacks.get(child, ())]:
-            if q is not None:
-                under.setdefault(q, set()).add(child)
-    return under
-
-
-def _closure(under: dict[str, set[str]], root: str) -> frozenset[str]:
-    seen: set[str] = set()
-    todo = [root]
-    while todo:
-        for c in under.get(todo.pop(), ()):
-            if c not in seen:
-                seen.add(c)
-                todo.append(c)
-    return frozenset(seen)
 
 
 def default_threads() -> int:
@@ -286,14 +279,15 @@ class Node:
         self.tree = tree
         self.file = file
         self.keys = keys or NodeKeys()
-        spec = topo.node(name)
         self.role = {n.name: n.role for n in topo.nodes}
-        under = _may_attach(tree)
-        self.children_allowed = frozenset(under.get(name, ()))
-        """The nodes that may attach here."""
-        self.below = {c: _closure(under, c) for c in self.children_allowed}
-        """Per child that may attach, the nodes that may be in its subtree (it speaks for them)."""
-        self.place = Place(name, [] if spec.role == "trainer" else None, planned=tree.parent[name])
+        self.rules = TreeRules(tree.parent, tree.fallbacks, self.role)
+        """Who may attach where, and whom a child speaks for."""
+        self.place = Place(name, self.rules)
+        """Where this node sits (its path; None while detached) and the parents it holds in quarantine."""
+        self.children: dict[str, Channel] = {}
+        """The attached children's channels."""
+        self.parent: Channel | None = None
+        """The channel to the parent while attached."""
         self.verifier = SealVerifier(self.keys.verifier)
         self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights, verifier=self.verifier,
                                 threads=threads)  # fmt: skip
@@ -414,18 +408,19 @@ class Node:
         assert self.pool is not None
         return StatusSnapshot(snap=self.status.snapshot(self.flow.version, self.pool.stats()))
 
-    def speaks_for(self, child: str, origin: str) -> bool:
-        """May ``child`` send messages on behalf of node ``origin``? A rollout only for itself, a relay
-        for the nodes that may be below it."""
-        return origin == child or (self.role.get(child) == "relay" and origin in self.below.get(child, ()))
-
     async def up(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
-        return await send_or_drop(self.place.parent, msg, buffers)
+        return await send_or_drop(self.parent, msg, buffers)
 
     async def down(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
         worker = getattr(msg, "w", None)
         child = None if worker is None else self.routes.child_for(worker)
-        return await send_or_drop(None if child is None else self.place.children.get(child), msg, buffers)
+        return await send_or_drop(None if child is None else self.children.get(child), msg, buffers)
+
+    async def tell_children(self, update: PathUpdate) -> None:
+        """Send every attached child this node's new path."""
+        for ch in list(self.children.values()):
+            with contextlib.suppress(TransportClosed):
+                await ch.send(update)
 
 
 class _Publisher(Actor):
@@ -530,40 +525,6 @@ class _Children(Actor):
             self.open.discard(ch)
 
 
-@dataclass
-class Place:
-    """Where this node sits: its path from the trainer (None while detached from the tree).
-
-    A detached relay refuses new children, and a node refuses a parent whose path contains
-    itself, so failover can never close a cycle (two relays that both lost the trainer
-    would otherwise adopt each other)."""
-
-    name: str
-    path: list[str] | None
-    children: dict[str, Channel] = field(default_factory=dict)
-    parent: Channel | None = None
-    """The channel to the parent while attached."""
-    planned: str | None = None
-    """The planned parent (None: the trainer)."""
-    failed: dict[str, float] = field(default_factory=dict)
-    """Parents whose stream failed, and when (monotonic): quarantined for `QUARANTINE_S`."""
-
-    def quarantined(self, parent: str, now: float) -> bool:
-        at = self.failed.get(parent)
-        return at is not None and now - at < QUARANTINE_S
-
-    def below(self) -> list[str]:
-        assert self.path is not None
-        return [*self.path, self.name]
-
-    async def moved(self, path: list[str] | None) -> None:
-        self.path = path
-        if path is not None:
-            for ch in list(self.children.values()):
-                with contextlib.suppress(TransportClosed):
-                    await ch.send(PathUpdate(path=self.below()))
-
-
 async def _child(node: Node, ch: Channel) -> None:
     """Serve one child channel. Whatever goes wrong here closes this channel and no other."""
     try:
@@ -577,8 +538,8 @@ async def _child(node: Node, ch: Channel) -> None:
     finally:
         if node.flow.children.get(ch.peer) is ch:
             node.flow.remove_child(ch.peer)
-        if node.place.children.get(ch.peer) is ch:
-            del node.place.children[ch.peer]
+        if node.children.get(ch.peer) is ch:
+            del node.children[ch.peer]
 
 
 async def _serve_child(node: Node, ch: Channel) -> None:
@@ -591,30 +552,24 @@ async def _serve_child(node: Node, ch: Channel) -> None:
         await ch.send(node.snapshot())
         await ch.close("status sent")
         return
-    if isinstance(hello, SignalHello) and node.rtc is not None and ch.peer in node.children_allowed:
+    if isinstance(hello, SignalHello) and node.rtc is not None and place.may_signal(ch.peer):
         await _signalling(node.rtc, ch)
         return
     if not isinstance(hello, Hello):
         log.warning("bad_hello", child=ch.peer, kind=type(hello).__name__)
         await ch.close("expected a hello")
         return
-    why = None
-    if ch.peer not in node.children_allowed:
-        why = f"the topology does not let {ch.peer!r} attach to {node.name!r}"
-    elif place.path is None:
-        why = "not attached to the tree"
-    elif ch.peer in place.path:
-        why = "it is an ancestor of this node"
-    if why is not None:
-        log.info("child_refused", child=ch.peer, reason=why, probe=hello.probe)
-        await ch.send(Refused(reason=why))
+    answer = place.hello(ch.peer)
+    if isinstance(answer, Refused):
+        log.info("child_refused", child=ch.peer, reason=answer.reason, probe=hello.probe)
+        await ch.send(answer)
         await ch.close("refused")
         return
-    await ch.send(PathUpdate(path=place.below()))
+    await ch.send(answer)
     if hello.probe:
         await ch.close("probe answered")
         return
-    place.children[ch.peer] = ch
+    node.children[ch.peer] = ch
     log.info(CHILD_ATTACHED, child=ch.peer, version=hello.v)
     flow.add_child(ch, hello.v)
     with unwrap_group():
@@ -632,17 +587,17 @@ async def _from_child(node: Node, ch: Channel) -> None:
         if isinstance(m, Have):
             node.flow.on_child_version(ch.peer, m.v)
         elif isinstance(m, Held | Status):
-            if not node.speaks_for(ch.peer, m.n):
+            if not node.place.speaks_for(ch.peer, m.n):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.n!r}, which it does not speak for")
             elif node.pool is not None:
                 node.on_status_message(m)
             else:
                 await node.up(m, ())
         elif isinstance(m, UP):
-            if not node.speaks_for(ch.peer, m.w) or node.role.get(m.w) != "rollout":
+            if not node.place.speaks_for_worker(ch.peer, m.w):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for worker {m.w!r}, which it does not speak for")
                 continue
-            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want), open_children=node.place.children):
+            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want), open_children=node.children):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.w!r}, whose work goes through another child")
                 continue
             if coordinator is not None:
@@ -653,165 +608,194 @@ async def _from_child(node: Node, ch: Channel) -> None:
             ch.fault(f"a {type(m).__name__} from a child")
 
 
-class _Uplink(Actor):
-    """Keeps this node attached to the first parent in its order that accepts it."""
+class _Left(Exception):
+    """The membership machine left the parent: unwinds what serves it (its stream, the probes)."""
 
-    def __init__(self, node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
+    def __init__(self, leave: Leave) -> None:
+        super().__init__(leave.parent)
+        self.leave = leave
+
+
+class _Uplink(Actor):
+    """Keeps this node attached to the first parent in its order that accepts it: the driver of a
+    `membership.Uplink`. It sleeps until the machine's next deadline, dials the parent it names, feeds
+    it what that parent says and does, carries out its commands and logs its events."""
+
+    def __init__(self, node: Node, zt: NodeTransport, order: Sequence[str], lost_after_s: float) -> None:
         self.node = node
         self.zt = zt
         self.order = order
         self.lost_after_s = lost_after_s
 
     async def main(self) -> None:
-        await _follow_parents(self.node, self.zt, self.order, self.lost_after_s)
+        up = Uplink(self.node.place, self.order, self.lost_after_s, _now())
+        while True:
+            for out in up.tick(await _until(up.next_deadline())):
+                assert isinstance(out, Dial), out  # detached, the machine only dials
+                await self._with(up, out.parent)
 
-
-_FAILED = "failed"
-"""What `_stay_with` returns when the parent's stream failed (the parent is quarantined)."""
-
-
-class _Return(Exception):
-    """The planned parent has been healthy long enough: leave the fallback for it."""
-
-
-async def _follow_parents(node: Node, zt: NodeTransport, order: list[str], lost_after_s: float) -> None:
-    """Stay attached to the first parent in ``order`` that accepts, moving on when one is lost;
-    at start keep trying the planned parent for `PLANNED_PATIENCE_S`; from a fallback, go back to
-    the planned parent once it has been healthy for a while."""
-    planned = order[0]
-    patient_until = time.monotonic() + PLANNED_PATIENCE_S
-    attached_once = False
-    i = 0
-    while True:
-        parent = order[i]
-        attached = await _stay_with(node, zt, parent, lost_after_s)
-        attached_once = attached_once or bool(attached)
-        node.flow.parent_lost()
-        await node.place.moved(None)
-        await zt.disconnect(parent)
-        now = time.monotonic()
-        if attached == "return":
-            i = 0
-        elif parent == planned and attached != _FAILED and not attached_once and now < patient_until:
-            pass  # still starting: keep at the planned parent a while before any fallback
-        else:
-            i = (i + 1) % len(order)
-            for _ in range(len(order) - 1):  # past quarantined parents, while another is left
-                if not node.place.quarantined(order[i], now):
-                    break
-                i = (i + 1) % len(order)
-        await asyncio.sleep(RETRY_PAUSE_S)
-
-
-async def _stay_with(node: Node, zt: NodeTransport, parent: str, lost_after_s: float) -> bool | str:
-    """Dial ``parent`` and follow its stream until it is unreachable, refuses, is lost or fails;
-    logs which. Returns whether it attached (``"return"``: it left a fallback for the planned parent)."""
-    addr = node.topo.node(parent).listen
-    assert addr is not None  # checked when the topology was loaded
-    with unwrap_group():
-        async with asyncio.TaskGroup() as tg:  # owns the WebRTC signalling loop while with this parent
-            signalling: asyncio.Task[None] | None = None
-            try:
-                if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
-                    ch, signalling = await _dial_webrtc(node.rtc, zt, parent, addr, tg)
+    async def _with(self, up: Uplink, parent: str) -> None:
+        """Dial ``parent`` and serve it until the machine leaves it; then drop what was in flight from
+        it and hang up."""
+        node = self.node
+        addr = node.topo.node(parent).listen
+        assert addr is not None  # checked when the topology was loaded
+        with unwrap_group():
+            async with asyncio.TaskGroup() as tg:  # owns the WebRTC signalling loop while with this parent
+                signalling: asyncio.Task[None] | None = None
+                try:
+                    if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
+                        ch, signalling = await _dial_webrtc(node.rtc, self.zt, parent, addr, tg)
+                    else:
+                        ch = await self.zt.connect(parent, addr)
+                except TransportClosed as e:
+                    with contextlib.suppress(_Left):
+                        await self._do(up, None, up.unreachable(str(e), _now()))
                 else:
-                    ch = await zt.connect(parent, addr)
-            except TransportClosed as e:
-                log.warning("parent_unreachable", parent=parent, reason=str(e))
-                return False
-            try:
-                return await _follow(node, zt, ch, parent, lost_after_s)
-            finally:
-                if signalling is not None:
-                    signalling.cancel()  # then awaited by the task group
-                    with contextlib.suppress(TransportClosed):
-                        await ch.close("leaving this parent")
+                    try:
+                        await self._serve(up, ch)
+                    except _Left as left:
+                        if left.leave.close is not None:
+                            with contextlib.suppress(TransportClosed):
+                                await ch.close(left.leave.close)
+                    finally:
+                        if signalling is not None:
+                            signalling.cancel()  # then awaited by the task group
+                            with contextlib.suppress(TransportClosed):
+                                await ch.close("leaving this parent")
+        node.flow.parent_lost()
+        await self.zt.disconnect(parent)
+
+    async def _serve(self, up: Uplink, ch: Channel) -> NoReturn:
+        """Say hello on ``ch`` and follow the parent's stream; what ends it is fed to the machine, which
+        leaves the parent (`_Left`)."""
+        node = self.node
+        outs = up.dialed(_now())
+        try:
+            async with asyncio.timeout(_after(up.next_deadline())):
+                await self._do(up, ch, outs)  # the hello: sent once the parent is heard
+                answer = (await ch.recv()).msg
+            await self._do(up, ch, up.answered(answer, _now()))
+            node.parent = ch
+            await self._follow(up, ch)
+        except _Left:
+            raise
+        except (TransportClosed, TimeoutError) as e:
+            outs = up.lost(str(e) or "no answer", _now())
+        except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
+            outs = up.failed(repr(e)[:500], type(e).__name__, _now())
+        finally:
+            node.parent = None
+        await self._do(up, ch, outs)
+        raise AssertionError(f"the uplink did not leave {up.parent!r}")
+
+    async def _follow(self, up: Uplink, ch: Channel) -> None:
+        """Attached: the parent's stream; on a fallback, the machine's probes of the planned parent beside it."""
+        if not up.on_fallback:
+            await self._stream(up, ch)
+            return
+        with unwrap_group():
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._timers(up, ch))
+                await self._stream(up, ch)
+
+    async def _timers(self, up: Uplink, ch: Channel) -> None:
+        while True:
+            await self._do(up, ch, up.tick(await _until(up.next_deadline())))
+
+    async def _do(self, up: Uplink, ch: Channel | None, outs: list[Output]) -> None:
+        """Carry out the machine's commands and log its events, in order (`Leave` raises `_Left`)."""
+        node = self.node
+        for out in outs:
+            if isinstance(out, SendHello):
+                assert ch is not None
+                await ch.send(Hello(v=node.flow.version))
+            elif isinstance(out, TellChildren):
+                await node.tell_children(out.update)
+            elif isinstance(out, Probe):
+                answer = await _probe(node, self.zt, out.parent, out.timeout_s)
+                await self._do(up, ch, up.probed(answer, _now()))
+            elif isinstance(out, Leave):
+                raise _Left(out)
+            elif isinstance(out, Dial):
+                raise AssertionError(f"{out} while with {up.parent!r}")
+            else:
+                _log_membership(node, out)
+
+    async def _stream(self, up: Uplink, ch: Channel) -> None:
+        """The parent's messages: paths to the machine, versions to the flow, work down the tree."""
+        node = self.node
+        flow = node.flow
+        worker = node.ref("worker")
+        while True:
+            msg = await ch.recv()
+            m = msg.msg
+            if isinstance(m, PathUpdate):
+                await self._do(up, ch, up.path_moved(m.path, _now()))
+            elif isinstance(m, DOWN):
+                if worker is not None and m.w == node.name:
+                    await tell_or_drop(worker, msg)
+                elif m.w in node.routes.via:
+                    await node.down(m, tuple(msg.buffers))
+                else:
+                    ch.fault(f"a {type(m).__name__} for {m.w!r}, which is not below this node")
+            elif isinstance(m, DeltaManifest | DeltaChunk | DeltaSeal):
+                v = await flow.on_parent_message(msg)
+                if v is not None:
+                    await ch.send(Have(v=v))
+                    await ch.send(Held(n=node.name, v=v))
+            elif isinstance(m, Signal):
+                ch.fault("signalling on a version stream")
+            else:
+                ch.fault(f"a {type(m).__name__} from the parent")
 
 
-async def _follow(node: Node, zt: NodeTransport, ch: Channel, parent: str, lost_after_s: float) -> bool | str:
-    """Say hello on ``ch`` and follow the parent's stream (`_stay_with`'s part once dialled)."""
-    flow, place = node.flow, node.place
-    attached = False
-    try:
-        async with asyncio.timeout(lost_after_s):
-            await ch.send(Hello(v=flow.version))  # waits until the parent is heard
-            answer = (await ch.recv()).msg
-        if isinstance(answer, PathUpdate) and place.name not in answer.path:
-            await place.moved(list(answer.path))
-            place.parent = ch
-            attached = True
-            log.info(PARENT_ATTACHED, parent=parent, version=flow.version, path=place.path,
-                     planned=parent == place.planned)  # fmt: skip
-            await _attached(node, zt, ch, parent, lost_after_s)
-        else:
-            log.info("parent_refused", parent=parent,
-                     reason=answer.reason if isinstance(answer, Refused) else f"a cycle, or {type(answer).__name__}")  # fmt: skip
-    except _Return:
-        log.info(PARENT_RETURN, parent=parent, to=place.planned,
-                 reason="the planned parent has been healthy long enough")  # fmt: skip
-        with contextlib.suppress(TransportClosed):
-            await ch.close("returning to the planned parent")
-        return "return"
-    except (TransportClosed, TimeoutError, _Cycle) as e:
-        log.warning(PARENT_LOST, parent=parent, reason=str(e) or "no answer")
-    except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
-        log.error(PARENT_FAILED, parent=parent, error=repr(e)[:500], quarantine_s=QUARANTINE_S)
-        place.failed[parent] = time.monotonic()
-        with contextlib.suppress(TransportClosed):
-            await ch.close(f"leaving this parent: {type(e).__name__}")
-        return _FAILED
-    finally:
-        place.parent = None
-    return attached
+async def _until(deadline: float | None) -> float:
+    """Sleep until ``deadline`` on the node's clock (None: until cancelled); returns the time then,
+    never before ``deadline``."""
+    if deadline is None:
+        await asyncio.Event().wait()  # nothing is due: only an event (the caller's cancellation) ends this
+    assert deadline is not None
+    while (now := _now()) < deadline:  # noqa: ASYNC110  (a timer may fire a clock tick early: sleep the rest)
+        await asyncio.sleep(deadline - now)
+    return now
 
 
-async def _attached(node: Node, zt: NodeTransport, ch: Channel, parent: str, lost_after_s: float) -> None:
-    """Follow the parent's stream; on a fallback parent, watch the planned one beside it. Raises
-    what ended it (`_Return` when the planned parent is back)."""
-    if node.place.planned is None or parent == node.place.planned:
-        await _from_parent(node, ch)
-        return
-    with unwrap_group():
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(_watch_planned(node, zt, lost_after_s))
-            await _from_parent(node, ch)
+def _after(deadline: float | None) -> float | None:
+    """Seconds from now until ``deadline`` (None: no deadline), for `asyncio.timeout`."""
+    return None if deadline is None else max(0.0, deadline - _now())
 
 
-async def _watch_planned(node: Node, zt: NodeTransport, lost_after_s: float) -> None:
-    """On a fallback parent: probe the planned one every ``lost_after_s``; raise `_Return` once it has
-    accepted every probe for ``return_after_s`` = 5 × ``lost_after_s`` (any failed probe starts over)."""
-    planned = node.place.planned
-    assert planned is not None
-    addr = node.topo.node(planned).listen
+def _log_membership(node: Node, e: MembershipEvent) -> None:
+    if isinstance(e, ParentAttached):
+        log.info(PARENT_ATTACHED, parent=e.parent, version=node.flow.version, path=list(e.path), planned=e.planned)
+    elif isinstance(e, ParentRefused):
+        log.info("parent_refused", parent=e.parent, reason=e.reason)
+    elif isinstance(e, ParentUnreachable):
+        log.warning("parent_unreachable", parent=e.parent, reason=e.reason)
+    elif isinstance(e, ParentLost):
+        log.warning(PARENT_LOST, parent=e.parent, reason=e.reason)
+    elif isinstance(e, ParentFailed):
+        log.error(PARENT_FAILED, parent=e.parent, error=e.error, quarantine_s=e.quarantine_s)
+    else:
+        log.info(PARENT_RETURN, parent=e.parent, to=e.to, reason=e.reason)
+
+
+async def _probe(node: Node, zt: NodeTransport, parent: str, timeout_s: float) -> object:
+    """Ask ``parent`` whether it would take this node now (a `Hello` probe: answered, then closed).
+    Returns its answer, None if there was none within ``timeout_s`` (or it could not be reached)."""
+    addr = node.topo.node(parent).listen
     assert addr is not None
-    return_after_s = 5 * lost_after_s
-    healthy_since: float | None = None
-    while True:
-        await asyncio.sleep(lost_after_s)
-        quarantined = node.place.quarantined(planned, time.monotonic())
-        ok = not quarantined and await _probe(node, zt, planned, addr, lost_after_s)
-        now = time.monotonic()
-        if not ok:
-            healthy_since = None
-        elif healthy_since is None:
-            healthy_since = now
-        elif now - healthy_since >= return_after_s:
-            raise _Return
-
-
-async def _probe(node: Node, zt: NodeTransport, parent: str, addr: str, timeout_s: float) -> bool:
-    """Would ``parent`` take this node now (a `Hello` probe: answered, then closed)?"""
     try:
         ch = await zt.connect(parent, addr)
         try:
             async with asyncio.timeout(timeout_s):
                 await ch.send(Hello(v=node.flow.version, probe=True))
-                answer = (await ch.recv()).msg
-            return isinstance(answer, PathUpdate) and node.name not in answer.path
+                return (await ch.recv()).msg
         finally:
             await zt.disconnect(parent)
     except (TransportClosed, TimeoutError, AuroraError):
-        return False
+        return None
 
 
 def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
@@ -857,36 +841,4 @@ async def _signalling(rtc: WebRtcTransport, ch: Channel) -> None:
     await rtc.serve_signalling(ch, stamp=True)
 
 
-class _Cycle(Exception):
-    """The parent's new path runs through this node."""
-
-
-async def _from_parent(node: Node, ch: Channel) -> None:
-    flow, place = node.flow, node.place
-    worker = node.ref("worker")
-    while True:
-        msg = await ch.recv()
-        m = msg.msg
-        if isinstance(m, PathUpdate):
-            if place.name in m.path:
-                raise _Cycle(f"the parent's path {' -> '.join(m.path)} runs through this node")
-            await place.moved(list(m.path))
-        elif isinstance(m, DOWN):
-            if worker is not None and m.w == node.name:
-                await tell_or_drop(worker, msg)
-            elif m.w in node.routes.via:
-                await node.down(m, tuple(msg.buffers))
-            else:
-                ch.fault(f"a {type(m).__name__} for {m.w!r}, which is not below this node")
-        elif isinstance(m, DeltaManifest | DeltaChunk | DeltaSeal):
-            v = await flow.on_parent_message(msg)
-            if v is not None:
-                await ch.send(Have(v=v))
-                await ch.send(Held(n=node.name, v=v))
-        elif isinstance(m, Signal):
-            ch.fault("signalling on a version stream")
-        else:
-            ch.fault(f"a {type(m).__name__} from the parent")
-
-
-__all__ = ["Node", "Place", "run_node"]
+__all__ = ["Node", "run_node"]

@@ -179,8 +179,8 @@ async def test_a_rollouts_key_cannot_pose_as_a_relay_nor_attach_where_the_topolo
             assert "does not let 'rollout' attach" in answer.reason
             await honest.close()
             # the real relay stayed attached throughout
-            assert seen["relay-a"].place.path == ["trainer"]
-            assert "relay-a" in seen["trainer"].place.children
+            assert seen["relay-a"].place.path == ("trainer",)
+            assert "relay-a" in seen["trainer"].children
             stop.set()
         assert all(r.done() for r in runs)
     assert any(e["event"] == BAD_FRAME and "sent heartbeats as 'relay-a'" in e["reason"] for e in logs)

@@ -53,7 +53,7 @@ async def test_late_planned_parent_is_waited_for_and_a_restarted_relay_gets_its_
                                                    observe=lambda node: nodes.__setitem__(name, node)))  # fmt: skip
 
     def under(parent: str, *children: str) -> bool:
-        return all(c in nodes and nodes[c].place.path == ["trainer", parent][: 1 + (parent != "trainer")]
+        return all(c in nodes and nodes[c].place.path == ("trainer", parent)[: 1 + (parent != "trainer")]
                    for c in children)  # fmt: skip
 
     with capture_logs() as logs:
