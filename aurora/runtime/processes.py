@@ -100,9 +100,16 @@ def peak_rss_bytes(pid: int) -> int | None:
     return None
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Process ``pid``'s resident memory now (None once it is gone)."""
+def pss_bytes(pid: int) -> int | None:
+    """Process ``pid``'s proportional share of memory now (Linux's Pss: its private pages, and each shared
+    page divided among the processes that map it — so the Pss of several processes adds up to what they
+    hold together, where their resident sizes would count the shared libraries once each). None once it
+    is gone or where the kernel does not say."""
     try:
-        return int(psutil.Process(pid).memory_info().rss)
-    except psutil.Error:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         return None
+    return None
