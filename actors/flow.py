@@ -208,9 +208,10 @@ class VersionFlow:
         """A relay or rollout: seconds its last commit spent verifying the seal (hash and signature)."""
 
     def start_in(self, tg: asyncio.TaskGroup) -> None:
-        """Write anchors in ``tg`` (the node's task group, their owner): an anchor write that fails
-        other than with a store error is the node's crash, and ``tg`` awaits the one in flight when it
-        closes. A flow with a store must be started before it stores a version."""
+        """Write anchors, and decode arriving chunks ahead of the commit, in ``tg`` (the node's task
+        group, their owner): an anchor write that fails other than with a store error is the node's
+        crash, and ``tg`` awaits what is in flight when it closes. A flow with a store must be started
+        before it stores a version; one never started decodes each version whole at its commit."""
         self._tg = tg
 
     # -- children
