@@ -34,8 +34,12 @@ argument; the `aurora.actors.node` driver does the I/O and logs the events retur
   quarantined, the order comes round to where it was). Every dial but the first waits
   `RETRY_PAUSE_S` after the last parent was left.
 
-Invariants (tests/test_protocol_membership.py holds the shipped machine to them, one node and
-a whole tree of them): a node's path never contains itself, and a node is attached only under
+  `Uplink.next_deadline()`: when the retry pause ends (``DETACHED``), when the hello's answer
+  is overdue (``HELLO_SENT``: the parent is lost), when the next probe is due (``ATTACHED`` to
+  a fallback); None otherwise (a dial is bounded by the transport, a probe by its ``timeout_s``).
+
+Invariants (tests/test_protocol_membership.py holds the shipped machines to them, a whole tree
+of them under random topologies and faults): a node's path never contains itself, and a node is attached only under
 a parent whose path did not contain it when it answered, so a cycle can only form through a
 path still in flight, and the `PathUpdate` that closes it makes a node of the cycle leave;
 every parent dialled is one the topology allows; no parent is dialled sooner than
