@@ -101,24 +101,8 @@ from aurora.events import (
     VERSION_SYNCED,
     WEBRTC_PARENT_CONNECTED,
 )
+from aurora.protocol import membership
 from aurora.protocol.leases import LeaseHolder
-from aurora.protocol.membership import (
-    Dial,
-    Leave,
-    Output,
-    ParentAttached,
-    ParentFailed,
-    ParentLost,
-    ParentRefused,
-    ParentUnreachable,
-    Place,
-    Probe,
-    SendHello,
-    TellChildren,
-    TreeRules,
-    Uplink,
-)
-from aurora.protocol.membership import Event as MembershipEvent
 from aurora.protocol.messages import (
     DOWN,
     MAX_MANIFEST_BYTES,
@@ -280,9 +264,9 @@ class Node:
         self.file = file
         self.keys = keys or NodeKeys()
         self.role = {n.name: n.role for n in topo.nodes}
-        self.rules = TreeRules(tree.parent, tree.fallbacks, self.role)
+        self.rules = membership.TreeRules(tree.parent, tree.fallbacks, self.role)
         """Who may attach where, and whom a child speaks for."""
-        self.place = Place(name, self.rules)
+        self.place = membership.Place(name, self.rules)
         """Where this node sits (its path; None while detached) and the parents it holds in quarantine."""
         self.children: dict[str, Channel] = {}
         """The attached children's channels."""
@@ -611,7 +595,7 @@ async def _from_child(node: Node, ch: Channel) -> None:
 class _Left(Exception):
     """The membership machine left the parent: unwinds what serves it (its stream, the probes)."""
 
-    def __init__(self, leave: Leave) -> None:
+    def __init__(self, leave: membership.Leave) -> None:
         super().__init__(leave.parent)
         self.leave = leave
 
@@ -628,13 +612,13 @@ class _Uplink(Actor):
         self.lost_after_s = lost_after_s
 
     async def main(self) -> None:
-        up = Uplink(self.node.place, self.order, self.lost_after_s, _now())
+        up = membership.Uplink(self.node.place, self.order, self.lost_after_s, _now())
         while True:
             for out in up.tick(await _until(up.next_deadline())):
-                assert isinstance(out, Dial), out  # detached, the machine only dials
+                assert isinstance(out, membership.Dial), out  # detached, the machine only dials
                 await self._with(up, out.parent)
 
-    async def _with(self, up: Uplink, parent: str) -> None:
+    async def _with(self, up: membership.Uplink, parent: str) -> None:
         """Dial ``parent`` and serve it until the machine leaves it; then drop what was in flight from
         it and hang up."""
         node = self.node
@@ -666,7 +650,7 @@ class _Uplink(Actor):
         node.flow.parent_lost()
         await self.zt.disconnect(parent)
 
-    async def _serve(self, up: Uplink, ch: Channel) -> NoReturn:
+    async def _serve(self, up: membership.Uplink, ch: Channel) -> NoReturn:
         """Say hello on ``ch`` and follow the parent's stream; what ends it is fed to the machine, which
         leaves the parent (`_Left`)."""
         node = self.node
@@ -689,7 +673,7 @@ class _Uplink(Actor):
         await self._do(up, ch, outs)
         raise AssertionError(f"the uplink did not leave {up.parent!r}")
 
-    async def _follow(self, up: Uplink, ch: Channel) -> None:
+    async def _follow(self, up: membership.Uplink, ch: Channel) -> None:
         """Attached: the parent's stream; on a fallback, the machine's probes of the planned parent beside it."""
         if not up.on_fallback:
             await self._stream(up, ch)
@@ -699,30 +683,30 @@ class _Uplink(Actor):
                 tg.create_task(self._timers(up, ch))
                 await self._stream(up, ch)
 
-    async def _timers(self, up: Uplink, ch: Channel) -> None:
+    async def _timers(self, up: membership.Uplink, ch: Channel) -> None:
         while True:
             await self._do(up, ch, up.tick(await _until(up.next_deadline())))
 
-    async def _do(self, up: Uplink, ch: Channel | None, outs: list[Output]) -> None:
-        """Carry out the machine's commands and log its events, in order (`Leave` raises `_Left`)."""
+    async def _do(self, up: membership.Uplink, ch: Channel | None, outs: list[membership.Output]) -> None:
+        """Carry out the machine's commands and log its events, in order (`membership.Leave` raises `_Left`)."""
         node = self.node
         for out in outs:
-            if isinstance(out, SendHello):
+            if isinstance(out, membership.SendHello):
                 assert ch is not None
                 await ch.send(Hello(v=node.flow.version))
-            elif isinstance(out, TellChildren):
+            elif isinstance(out, membership.TellChildren):
                 await node.tell_children(out.update)
-            elif isinstance(out, Probe):
+            elif isinstance(out, membership.Probe):
                 answer = await _probe(node, self.zt, out.parent, out.timeout_s)
                 await self._do(up, ch, up.probed(answer, _now()))
-            elif isinstance(out, Leave):
+            elif isinstance(out, membership.Leave):
                 raise _Left(out)
-            elif isinstance(out, Dial):
+            elif isinstance(out, membership.Dial):
                 raise AssertionError(f"{out} while with {up.parent!r}")
             else:
                 _log_membership(node, out)
 
-    async def _stream(self, up: Uplink, ch: Channel) -> None:
+    async def _stream(self, up: membership.Uplink, ch: Channel) -> None:
         """The parent's messages: paths to the machine, versions to the flow, work down the tree."""
         node = self.node
         flow = node.flow
@@ -766,16 +750,16 @@ def _after(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - _now())
 
 
-def _log_membership(node: Node, e: MembershipEvent) -> None:
-    if isinstance(e, ParentAttached):
+def _log_membership(node: Node, e: membership.Event) -> None:
+    if isinstance(e, membership.ParentAttached):
         log.info(PARENT_ATTACHED, parent=e.parent, version=node.flow.version, path=list(e.path), planned=e.planned)
-    elif isinstance(e, ParentRefused):
+    elif isinstance(e, membership.ParentRefused):
         log.info("parent_refused", parent=e.parent, reason=e.reason)
-    elif isinstance(e, ParentUnreachable):
+    elif isinstance(e, membership.ParentUnreachable):
         log.warning("parent_unreachable", parent=e.parent, reason=e.reason)
-    elif isinstance(e, ParentLost):
+    elif isinstance(e, membership.ParentLost):
         log.warning(PARENT_LOST, parent=e.parent, reason=e.reason)
-    elif isinstance(e, ParentFailed):
+    elif isinstance(e, membership.ParentFailed):
         log.error(PARENT_FAILED, parent=e.parent, error=e.error, quarantine_s=e.quarantine_s)
     else:
         log.info(PARENT_RETURN, parent=e.parent, to=e.to, reason=e.reason)
