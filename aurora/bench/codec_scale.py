@@ -238,7 +238,7 @@ def run_scale(sizes: list[int], *, workloads: Sequence[str] = WORKLOADS, threads
 
 def format_scale(rows: list[ScaleRow]) -> str:
     t = rows[0].threads if rows else 1
-    head = (f"{'elements':>9} {'step':<14}{'density':>8} {'coding':<12}{'delta MB':>9}{'memcpy':>8}{'enc 1t':>8}"
+    head = (f"{'elements':>9} {'workload':<14}{'density':>8} {'coding':<12}{'delta MB':>9}{'memcpy':>8}{'enc 1t':>8}"
             f"{'app 1t':>8}{'enc/cp':>8}{'app/cp':>8}{f'enc {t}t':>8}{f'app {t}t':>8}{'x1t':>6}"
             + "".join(f"{f'/wire {k}':>17}" for k in LINKS) + f"{'enc +MB':>9}{'app +MB':>9}")  # fmt: skip
     lines = ["codec at scale, bf16; GB/s of weights", head, "-" * len(head)]
@@ -252,7 +252,7 @@ def format_scale(rows: list[ScaleRow]) -> str:
                      f"{r.encode_gbps_all:>8.2f}{r.apply_gbps_all:>8.2f}{speedup:>6.2f}{wire}"
                      f"{r.encode_peak_mb:>9.0f}{r.apply_peak_mb:>9.0f}")  # fmt: skip
     lines += [
-        "step: uniform 1% = 1 % of positions, uniform, +-1-2 ULP; AdamW lr 1e-6 = fp32 masters moved by an Adam-sized",
+        "workload: uniform 1% = 1 % of positions, uniform, +-1-2 ULP; AdamW lr 1e-6 = fp32 masters moved by an Adam-sized",
         "update and cast to bf16 (its own density). memcpy: a copy of the same weights in the same run (one thread);",
         f"enc/cp, app/cp: one thread's ratio to it; x1t: mean speed-up of {t} threads over one; /wire: (encode +",
         "apply) time over the delta's wire time, one thread / all threads; +MB: peak heap each side held beyond the",
