@@ -37,11 +37,8 @@ from aurora.events import ENGINE_SWITCHED, LEASE_EXPIRED, LEASE_GIVEN_UP, LEASES
 from aurora.logs import Throttle
 from aurora.protocol.leases import Lease, LeaseHolder
 from aurora.protocol.messages import (
-    MAX_REASON_CHARS,
     AppMessage,
     Grant,
-    LeaseGrant,
-    LeaseRenewal,
     Renew,
     Renewed,
     Result,
@@ -49,7 +46,7 @@ from aurora.protocol.messages import (
     Verdict,
     Want,
 )
-from aurora.protocol.workpool import Accepted, SampleIn, WorkPool
+from aurora.protocol.workpool import Accepted, Rejected, WorkPool
 from aurora.rl.engines import Engine, WeightUpdate
 from aurora.rl.types import Completion, Prompt
 from aurora.runtime import Actor, unwrap_group, wait_first
@@ -112,44 +109,29 @@ class Coordinator(Actor):
             for e in self.pool.expire(now):
                 log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
             for w, granted in self.pool.unpark(now, self.flow.version or 0).items():
-                await self._grant(w, granted)
+                await self.down(self.pool.grant_message(w, granted), ())
             due = self.pool.next_deadline()
             wait = 1.0 if due is None else min(1.0, max(0.01, due - now))
             await self.board.wait_room(wait)
 
-    async def _grant(self, w: str, granted: list[tuple[Lease, Prompt]]) -> None:
-        leases = [LeaseGrant(cast(int, lease.item), lease.token, lease.ttl_s, list(p.tokens)) for lease, p in granted]
-        await self.down(Grant(w=w, n=self.pool.group_size, leases=leases), ())
-
     async def receive(self, msg: Message) -> None:
         m, now = msg.msg, time.monotonic()
-        if isinstance(m, Want):
-            granted = self.pool.want(m.w, m.n, now, m.v, self.flow.version or 0)
-            if granted:
-                await self._grant(m.w, granted)
-        elif isinstance(m, Renew):
-            renewed = self.pool.renew(m.w, m.tokens, now)
-            if renewed:
-                leases = [LeaseRenewal(cast(int, x.item), x.token, x.ttl_s) for x in renewed]
-                await self.down(Renewed(w=m.w, leases=leases), ())
-        elif isinstance(m, Result):
-            await self._result(m, now)
-
-    async def _result(self, m: Result, now: float) -> None:
-        t = time.perf_counter()
-        samples = [SampleIn(s.tokens, s.logprobs) for s in m.samples]
-        outcome = self.pool.result(m.w, m.item, m.token, m.v, self.flow.version or 0, samples, now)
-        self.board.validate_s += time.perf_counter() - t
-        self.board.results += 1
-        if isinstance(outcome, Accepted):
-            self.board.more.set()
-            await self.down(Verdict(w=m.w, item=m.item, ok=True), ())
+        if not isinstance(m, Want | Renew | Result):
             return
-        suppressed = _quiet.allow(f"rejected/{m.w}", now)
-        if suppressed is not None:
-            log.info("result_rejected", worker=m.w, item=m.item, version=m.v, reason=outcome.reason,
-                     suppressed=suppressed)  # fmt: skip
-        await self.down(Verdict(w=m.w, item=m.item, ok=False, reason=outcome.reason[:MAX_REASON_CHARS]), ())
+        t = time.perf_counter()
+        answer = self.pool.handle(m, now, self.flow.version or 0)
+        if isinstance(m, Result):
+            self.board.validate_s += time.perf_counter() - t
+            self.board.results += 1
+        if isinstance(answer.outcome, Accepted):
+            self.board.more.set()
+        elif isinstance(answer.outcome, Rejected) and isinstance(m, Result):
+            suppressed = _quiet.allow(f"rejected/{m.w}", now)
+            if suppressed is not None:
+                log.info("result_rejected", worker=m.w, item=m.item, version=m.v, reason=answer.outcome.reason,
+                         suppressed=suppressed)  # fmt: skip
+        if answer.reply is not None:
+            await self.down(answer.reply, ())
 
 
 # ---------------------------------------------------------------- relay side

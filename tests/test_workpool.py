@@ -1,4 +1,5 @@
-"""The coordinator's rules as shipped (`aurora.protocol.workpool.WorkPool`): no event loop, no clock."""
+"""The coordinator's rules as shipped (`aurora.protocol.workpool.WorkPool`): no event loop, no clock.
+Examples of each rule, then a stateful hypothesis test of the whole pool through its messages."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import math
 from collections.abc import Iterator
 
 import hypothesis.strategies as st
-from hypothesis import given
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from aurora.protocol.messages import Grant, Renew, Renewed, Result, SampleWire, Verdict, Want
 from aurora.protocol.workpool import Accepted, PoolSettings, Rejected, ResultRules, SampleIn, WorkPool
 from aurora.rl.types import Prompt
 
@@ -173,50 +176,173 @@ def test_no_work_is_leased_once_the_runs_last_take_has_its_results() -> None:
     assert pool.want("c", 2, 0.0, version=7, current=7) == []  # the run is over
 
 
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("want"), st.sampled_from(["a", "b", "c"]), st.integers(0, 3)),
-        st.tuples(st.just("result"), st.sampled_from(["a", "b", "c"]), st.integers(0, 3)),
-        st.tuples(st.just("forge"), st.sampled_from(["a", "b", "c"]), st.integers(0, 3)),
-        st.tuples(st.just("take"), st.just(""), st.integers(0, 3)),
-        st.tuples(st.just("tick"), st.just(""), st.integers(1, 4)),
-    ),
-    max_size=60,
-)
+def test_handle_answers_each_work_message_with_the_message_back() -> None:
+    """Want -> Grant (the trainer's prompt tokens), Renew -> Renewed (a TTL that counts from the
+    renewal), Result -> Verdict (with the rejection's reason); a want that gets nothing, or a renewal
+    that renews nothing, is answered with nothing."""
+    pool = _pool(ttl_s=5.0)
+    got = pool.handle(Want(w="w", n=1, v=5), 0.0, 5)
+    assert isinstance(got.reply, Grant)
+    ((g,),) = [got.reply.leases]
+    assert (got.reply.w, got.reply.n, g.ttl_s) == ("w", 2, 5.0)
+    assert g.tokens == list(pool.open[g.item].tokens)
+    renewed = pool.handle(Renew(w="w", tokens=[g.token]), 4.0, 5).reply
+    assert isinstance(renewed, Renewed)
+    assert [(r.item, r.ttl_s) for r in renewed.leases] == [(g.item, 5.0)]  # not 9 s: from the renewal
+    assert pool.handle(Renew(w="other", tokens=[g.token]), 4.0, 5).reply is None
+    bad = pool.handle(Result(w="w", item=g.item, token=g.token, v=5, samples=[SampleWire([5], [-0.1])]), 4.5, 5)
+    assert isinstance(bad.outcome, Rejected)
+    assert bad.reply == Verdict(w="w", item=g.item, ok=False, reason=bad.outcome.reason)
+    ok = pool.handle(Result(w="w", item=g.item, token=g.token, v=5, samples=[SampleWire([5], [-0.1])] * 2), 8.5, 5)
+    assert isinstance(ok.outcome, Accepted)  # within the renewed lease (4 + 5 s)
+    assert ok.reply == Verdict(w="w", item=g.item, ok=True)
+    assert isinstance(pool.handle(Want(w="w3", n=1, v=5), 9.0, 5).reply, Grant)
+    assert pool.handle(Want(w="w3", n=1, v=5), 9.0, 5).reply is None  # holds all it may (not measured yet)
 
 
-@given(OPS)
-def test_the_pool_never_accepts_twice_out_of_bound_or_unleased_and_stays_within_room(
-    ops: list[tuple[str, str, int]],
-) -> None:
-    """Whatever workers do (and forge), each prompt's result is accepted at most once, only from the
-    worker holding its lease and only within the staleness bound; every result the learner takes
-    was within the bound at the take; leased plus waiting stays within ahead_steps × batch."""
-    pool = _pool(prompts_per_lease=2, ahead_steps=2, group_size=1, batch=2, max_stale=1, ttl_s=3.0)
-    now, current = 0.0, 3
-    held: dict[str, list[tuple[bytes, int]]] = {"a": [], "b": [], "c": []}
-    accepted: set[int] = set()
-    for op, w, x in ops:
-        if op == "want":
-            for lease, p in pool.want(w, 2, now, version=current - x % 2, current=current):
-                held[w].append((lease.token, p.id))
-        elif op in ("result", "forge") and held[w]:
-            token, item = held[w].pop(0)
-            who = w if op == "result" else next(o for o in held if o != w)
-            version = current - x
-            got = pool.result(who, item, token, version, current, _ok(1), now)
-            if isinstance(got, Accepted):
-                assert who == w
-                assert item not in accepted
-                assert current - version <= pool.max_stale
-                accepted.add(item)
-        elif op == "take":
-            batch = pool.take(2, current=current)
-            if batch is not None:
-                assert all(current - c.version <= pool.max_stale for _, c in batch)
-                current += 1
-        elif op == "tick":
-            now += x
-            pool.expire(now)
-        assert pool.table.in_flight + len(pool.samples) <= 2 * 2  # ahead_steps × batch
-    assert pool.accepted == len(accepted)
+def test_a_parked_want_lapses_from_when_its_worker_asked_however_often_it_was_retried() -> None:
+    pool = _pool(batch=1, ahead_steps=1, ttl_s=4.0)
+    assert pool.want("a", 1, 0.0) != []
+    assert pool.want("b", 1, 0.5) == []  # no room: parked at 0.5
+    assert pool.next_deadline() == 2.5  # half a TTL, at least 2 s, after it asked
+    assert pool.unpark(1.0) == {}
+    assert pool.unpark(2.0) == {}  # retried, still no room: as old as it was
+    assert pool.next_deadline() == 2.5
+    assert pool.unpark(2.5) == {}
+    assert pool.parked == {}  # lapsed at its deadline, not after it
+    assert pool.next_deadline() == 4.0  # a's lease
+
+
+WORKERS = ["a", "b", "c"]
+TTL_S = 3.0
+BATCH = 2
+AHEAD = 2
+
+
+class Pool(RuleBasedStateMachine):
+    """The pool as shipped, driven through its messages by honest, slow, forging and replaying
+    workers, a learner and the clock, against a reference model of the leases it granted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = _pool(prompts_per_lease=2, ahead_steps=AHEAD, group_size=1, batch=BATCH, max_stale=1, ttl_s=TTL_S)
+        self.now, self.current = 0.0, 3
+        self.held: dict[str, list[tuple[bytes, int]]] = {w: [] for w in WORKERS}
+        self.latest: dict[int, tuple[bytes, str]] = {}
+        """The reference: per prompt, the token and worker of its newest lease."""
+        self.expiry: dict[bytes, float] = {}
+        self.used: list[tuple[str, int, bytes]] = []
+        self.accepted: set[int] = set()
+
+    def _granted(self, reply: Grant | None) -> None:
+        if reply is None:
+            return
+        assert reply.w not in self.pool.parked
+        for g in reply.leases:
+            assert g.item not in self.accepted
+            old = self.latest.get(g.item)
+            assert old is None or self.now >= self.expiry[old[0]], "a second valid lease for a prompt"
+            self.latest[g.item] = (g.token, reply.w)
+            self.expiry[g.token] = self.now + g.ttl_s
+            self.held[reply.w].append((g.token, g.item))
+
+    @rule(w=st.sampled_from(WORKERS), lag=st.integers(0, 2), n=st.integers(1, 4))
+    def want(self, w: str, lag: int, n: int) -> None:
+        got = self.pool.handle(Want(w=w, n=n, v=self.current - lag), self.now, self.current)
+        assert got.outcome is None
+        assert got.reply is None or isinstance(got.reply, Grant)
+        if got.reply is not None:
+            assert len(got.reply.leases) <= min(n, 2)
+        self._granted(got.reply)
+
+    @rule()
+    def unpark(self) -> None:
+        lapse = max(2.0, TTL_S / 2)
+        due = {w for w, (_, _, since) in self.pool.parked.items() if self.now < since + lapse}
+        for w, granted in self.pool.unpark(self.now, self.current).items():
+            assert w in due, "a lapsed want was granted"
+            self._granted(self.pool.grant_message(w, granted))
+
+    @rule(w=st.sampled_from(WORKERS))
+    def renew(self, w: str) -> None:
+        if not self.held[w]:
+            return
+        got = self.pool.handle(Renew(w=w, tokens=[t for t, _ in self.held[w]]), self.now, self.current)
+        for r in got.reply.leases if isinstance(got.reply, Renewed) else ():
+            assert self.latest[r.item] == (r.token, w)
+            assert self.now < self.expiry[r.token], "an expired lease renewed"
+            assert r.ttl_s == TTL_S
+            self.expiry[r.token] = self.now + r.ttl_s
+
+    @rule(
+        w=st.sampled_from(WORKERS),
+        lag=st.sampled_from([0, 0, 1, 2]),
+        how=st.sampled_from(["honest", "honest", "honest", "forged", "replayed"]),
+    )
+    def result(self, w: str, lag: int, how: str) -> None:
+        if how == "replayed":
+            if not self.used:
+                return
+            w, item, token = self.used[0]
+        elif self.held[w]:
+            token, item = self.held[w].pop(0)
+            self.used.append((w, item, token))
+        else:
+            return
+        who = w if how != "forged" else next(o for o in WORKERS if o != w)
+        version = self.current - lag
+        msg = Result(w=who, item=item, token=token, v=version, samples=[SampleWire([5, 6], [-0.5, -0.5])])
+        got = self.pool.handle(msg, self.now, self.current)
+        assert isinstance(got.reply, Verdict)
+        assert got.reply.ok == isinstance(got.outcome, Accepted)
+        if isinstance(got.outcome, Accepted):
+            assert self.latest[item] == (token, who), "accepted from other than the current lease's holder"
+            assert self.now < self.expiry[token], "accepted under an expired lease"
+            assert item not in self.accepted, "accepted twice"
+            assert self.current - version <= self.pool.max_stale
+            self.accepted.add(item)
+        else:
+            assert isinstance(got.outcome, Rejected)
+            assert got.reply.reason == got.outcome.reason
+            if got.outcome.kind == "stale":  # given back: the lease ended now
+                self.expiry[token] = self.now
+
+    @rule()
+    def take(self) -> None:
+        batch = self.pool.take(BATCH, current=self.current)
+        if batch is not None:
+            assert len(batch) == BATCH
+            assert all(self.current - c.version <= self.pool.max_stale for _, c in batch)
+            self.current += 1  # the learner publishes what it trained
+
+    @rule(dt=st.floats(0.05, 1.5))
+    def tick(self, dt: float) -> None:
+        """`expire` ends leases only once their TTL is over, and none before `next_deadline` (what it
+        reports may have ended earlier, inside a grant, renewal or result at a later time than due)."""
+        due = self.pool.next_deadline()
+        live = {item: self.pool.table.current(item) for item in self.latest}
+        self.now += dt
+        expired = self.pool.expire(self.now)
+        if due is None or self.now < due:
+            assert live == {item: self.pool.table.current(item) for item in self.latest}, "ended before the deadline"
+        for e in expired:
+            assert self.now >= self.expiry[e.lease.token], "a lease ended early"
+
+    @invariant()
+    def at_most_one_valid_lease_per_prompt_and_none_for_one_done(self) -> None:
+        items = [lease.item for lease in self.pool.table.valid_leases(self.now)]
+        assert len(items) == len(set(items))
+        assert not set(items) & self.accepted
+
+    @invariant()
+    def leasing_stays_within_ahead_steps_batches(self) -> None:
+        assert self.pool.table.in_flight + len(self.pool.samples) <= AHEAD * BATCH
+
+    @invariant()
+    def no_prompt_is_lost(self) -> None:
+        assert len(self.pool.open) == self.pool.table.pending + self.pool.table.in_flight
+        assert self.pool.accepted == len(self.accepted)
+
+
+TestPool = Pool.TestCase
+TestPool.settings = settings(stateful_step_count=60)

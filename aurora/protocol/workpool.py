@@ -1,10 +1,12 @@
 """`WorkPool`: the trainer's coordinator as a value — leasing, staleness, parking, and result rules.
 
 Inputs (each with ``now``): `want` (a worker can take prompts, generating with a
-version), `renew`, `result`, `take` (the learner wants a batch), `expire`.
+version), `renew`, `result`, `take` (the learner wants a batch), `expire`; `handle`
+takes the workers' messages themselves (`Want`, `Renew`, `Result`) and answers with
+the message that goes back (`Grant`, `Renewed`, `Verdict`) and a result's outcome.
 Outputs: what each call returns (grants, verdicts as values, a batch or None),
-`events()` (lease expiries), `next_deadline()`. No clock, no I/O, no logging:
-the `aurora.actors.work.Coordinator` drives it.
+lease expiries from `expire`, `next_deadline()`. No clock, no I/O, no logging: the
+`aurora.actors.work.Coordinator` drives it, and `aurora.testing.leasesim` simulates it.
 
 Rules and invariants (tests/test_workpool.py holds it to them):
 
@@ -28,7 +30,10 @@ Rules and invariants (tests/test_workpool.py holds it to them):
   to u + ``max_stale``, never past the run's last) want more than the results, accepted
   or in flight, of versions up to u that they would take first. A ``want`` refused for
   either reason is parked and answered by `unpark` when room opens; a parked want older
-  than half a lease TTL (at least 2 s) is from a worker that stopped asking, and lapses;
+  than half a lease TTL (at least 2 s) is from a worker that stopped asking, and lapses
+  (its age counts from when the worker asked, however often `unpark` retried it);
+* `next_deadline()` is when `expire` or `unpark` next changes something by itself (a lease
+  expires, a parked want lapses): a driver that sleeps until then never spins;
 * prompts' answers stay in the pool (rewards are the trainer's to compute).
 """
 
@@ -41,6 +46,17 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from aurora.protocol.leases import Lease, LeaseExpired, LeaseTable, ResultRejected, Token
+from aurora.protocol.messages import (
+    MAX_REASON_CHARS,
+    Grant,
+    LeaseGrant,
+    LeaseRenewal,
+    Renew,
+    Renewed,
+    Result,
+    Verdict,
+    Want,
+)
 from aurora.rl.types import Completion, Prompt, Sample
 
 MIN_BEHAVIOUR_LOGPROB = -50.0
@@ -79,6 +95,16 @@ class SampleIn:
 
     tokens: Sequence[int]
     logprobs: Sequence[float]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What `WorkPool.handle` makes of one work message."""
+
+    reply: Grant | Renewed | Verdict | None
+    """The message back to the worker (None: none — a want parked, no lease renewed)."""
+    outcome: Accepted | Rejected | None = None
+    """A result's verdict as a value (None for a want or a renewal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +192,11 @@ class WorkPool:
              current: int = 0) -> list[tuple[Lease, Prompt]]:  # fmt: skip
         """Grant up to ``n`` prompts to a worker generating with ``version`` while the trainer is
         at ``current``; a want that gets nothing is parked until `unpark`."""
+        return self._want(worker, n, now, version, current, asked_at=now)
+
+    def _want(
+        self, worker: str, n: int, now: float, version: int | None, current: int, asked_at: float
+    ) -> list[tuple[Lease, Prompt]]:
         asked = max(0, min(n, self.settings.prompts_per_lease))
         room = self.room()
         n = asked if room is None else min(asked, room)
@@ -174,7 +205,7 @@ class WorkPool:
         self.parked.pop(worker, None)
         if n == 0:
             if asked:
-                self.parked[worker] = (asked, version, now)
+                self.parked[worker] = (asked, version, asked_at)
             return []
         while self.table.pending < n:  # the pool is endless: top it up on demand
             p = next(self.prompts)
@@ -186,19 +217,47 @@ class WorkPool:
                 self.made_with[cast(int, lease.item)] = version
         return [(lease, self.open[cast(int, lease.item)]) for lease in granted]
 
+    def handle(self, msg: Want | Renew | Result, now: float, current: int) -> Answer:
+        """Answer one work message from a worker at ``now``, the trainer at version ``current``: the
+        rules of `want`, `renew` and `result`, with the wire messages in and out."""
+        if isinstance(msg, Want):
+            granted = self.want(msg.w, msg.n, now, msg.v, current)
+            return Answer(self.grant_message(msg.w, granted) if granted else None)
+        if isinstance(msg, Renew):
+            # a renewed lease runs one TTL from now (its `Lease.ttl_s` counts from the first grant)
+            ttl_s = self.table.ttl_s
+            renewed = [LeaseRenewal(cast(int, x.item), x.token, ttl_s) for x in self.renew(msg.w, msg.tokens, now)]
+            return Answer(Renewed(w=msg.w, leases=renewed) if renewed else None)
+        samples = [SampleIn(s.tokens, s.logprobs) for s in msg.samples]
+        outcome = self.result(msg.w, msg.item, msg.token, msg.v, current, samples, now)
+        if isinstance(outcome, Accepted):
+            return Answer(Verdict(w=msg.w, item=msg.item, ok=True), outcome)
+        return Answer(Verdict(w=msg.w, item=msg.item, ok=False, reason=outcome.reason[:MAX_REASON_CHARS]), outcome)
+
+    def grant_message(self, worker: str, granted: Sequence[tuple[Lease, Prompt]]) -> Grant:
+        """The `Grant` that tells ``worker`` of its new leases (from `want` or `unpark`)."""
+        leases = [LeaseGrant(cast(int, lease.item), lease.token, lease.ttl_s, list(p.tokens)) for lease, p in granted]
+        return Grant(w=worker, n=self.group_size, leases=leases)
+
     def unpark(self, now: float, current: int = 0) -> dict[str, list[tuple[Lease, Prompt]]]:
-        """Grant parked wants where there is room for them now, oldest first."""
+        """Grant parked wants where there is room for them now, oldest first. A want parked since its
+        worker asked `_lapse_s` ago is dropped first: that worker stopped asking (a retry here
+        that gets nothing again leaves the want as old as it was)."""
+        for worker, (_, _, since) in list(self.parked.items()):
+            if now >= since + self._lapse_s():  # as `next_deadline` adds it up (floats)
+                del self.parked[worker]  # its worker stopped asking: do not lease to it
         out = {}
         for worker, (n, version, since) in list(self.parked.items()):
-            if now - since > max(2.0, self.settings.ttl_s / 2):
-                del self.parked[worker]  # its worker stopped asking: do not lease to it
-                continue
             if self.room() == 0:
                 break
-            granted = self.want(worker, n, now, version, current)
+            granted = self._want(worker, n, now, version, current, asked_at=since)
             if granted:
                 out[worker] = granted
         return out
+
+    def _lapse_s(self) -> float:
+        """How long a parked want lasts: half a lease TTL, at least 2 s (a worker asks again sooner)."""
+        return max(2.0, self.settings.ttl_s / 2)
 
     def renew(self, worker: str, tokens: Sequence[Token], now: float) -> list[Lease]:
         return self.table.renew(worker, tokens, now)
@@ -262,7 +321,7 @@ class WorkPool:
 
     def next_deadline(self) -> float | None:
         """When `expire` or `unpark` next has something to do on its own."""
-        lapse = [since + max(2.0, self.settings.ttl_s / 2) for _, _, since in self.parked.values()]
+        lapse = [since + self._lapse_s() for _, _, since in self.parked.values()]
         cands = [d for d in (self.table.next_deadline(), min(lapse, default=None)) if d is not None]
         return min(cands, default=None)
 
