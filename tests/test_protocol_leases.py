@@ -28,7 +28,7 @@ def test_grant_complete_and_late_results_are_rejected() -> None:
     assert t.finished
 
 
-def test_renewal_extends_and_drop_worker_reclaims() -> None:
+def test_renewal_extends_and_an_unrenewed_lease_returns_its_item() -> None:
     t = LeaseTable(ttl_s=10, floor=2)
     t.add_items(range(4))
     ls = t.grant("w", 0.0)
@@ -38,10 +38,11 @@ def test_renewal_extends_and_drop_worker_reclaims() -> None:
     t.tick(12.0)
     assert t.current(ls[0].item) is not None
     assert t.current(ls[1].item) is None
-    t.drop_worker("w")
-    assert t.in_flight == 0
-    assert t.pending == 4
-    assert sum(isinstance(e, LeaseExpired) for e in t.events()) == 2
+    assert [e.lease for e in t.events() if isinstance(e, LeaseExpired)] == [ls[1]]
+    assert t.in_flight == 1
+    assert t.pending == 3
+    (again,) = t.grant("w2", 12.5, 1)
+    assert again.item == ls[1].item  # an expired lease's item is leased first
 
 
 def test_work_is_shared_by_measured_throughput() -> None:
@@ -62,7 +63,7 @@ def test_work_is_shared_by_measured_throughput() -> None:
 
 @st.composite
 def schedules(draw: st.DrawFn) -> list[tuple[str, str, float]]:
-    ops = st.tuples(st.sampled_from(["grant", "complete", "complete_stale", "renew", "tick", "drop"]),
+    ops = st.tuples(st.sampled_from(["grant", "complete", "complete_stale", "renew", "tick", "release"]),
                     st.sampled_from(["w1", "w2", "w3"]), st.floats(0, 4))  # fmt: skip
     return draw(st.lists(ops, max_size=80))
 
@@ -100,8 +101,12 @@ def test_lease_invariants_against_a_reference_model(ops: list[tuple[str, str, fl
                 expiry[lease.token] = lease.expires_at
         elif op == "tick":
             t.tick(now)
-        else:
-            t.drop_worker(w)
+        else:  # the worker's newest lease given back (a result the coordinator cannot use)
+            for it, hist in ever.items():
+                token, holder = hist[-1]
+                if holder == w and it not in accepted and t.release(w, it, token, now):
+                    expiry[token] = min(expiry[token], now)  # its lease ended now
+                    break
         valid = t.valid_leases(now)
         assert len({lease.item for lease in valid}) == len(valid)  # at most one valid lease per item
         assert not {lease.item for lease in valid} & set(accepted)

@@ -1,14 +1,18 @@
-"""Layer 1, stateful: coordinator + workers on SimNetwork under hypothesis fault schedules.
+"""Layer 1, stateful: the shipped `WorkPool` and model workers on SimNetwork under hypothesis fault schedules.
 
-Invariants (checked after every rule):
-  * at most one valid lease per work item at any instant;
-  * no result is accepted from an expired or fenced lease, and none twice
-    (checked against a reference model built from what the coordinator granted);
-  * liveness never reports a reachable peer lost: every PeerLost follows a
-    disruption (crash, partition, or a dropped message) of that worker within
-    the loss window;
-  * at teardown, with faults healed and a worker alive, every item completes
-    exactly once.
+The trainer (`aurora.testing.leasesim.SimTrainer`: the pool as the coordinator drives it, and a
+learner) and three workers exchange the real work messages through a network that crashes,
+restarts, partitions, drops, duplicates and delays them. Invariants (checked after every rule):
+
+  * at most one valid lease per prompt at any instant;
+  * a result is accepted only from the worker holding the prompt's current, unexpired lease, and
+    a prompt at most once (checked against a reference model built from what the trainer granted,
+    renewed and gave back);
+  * nothing is accepted, or taken by the learner, outside the staleness bound;
+  * leased plus accepted-but-not-taken prompts stay within ``ahead_steps`` batches;
+  * no prompt is lost: each one drawn from the task is accepted, leased, or waiting to be leased again;
+  * at teardown, with the faults healed and every worker up, the run finishes (the learner takes
+    every step's batch) and every lease has ended: its result accepted, or its prompt back in the pool.
 """
 
 from __future__ import annotations
@@ -20,58 +24,64 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from aurora.protocol import RestartBudget
-from aurora.testing.leasesim import COORD, Coordinator, Worker
+from aurora.protocol.workpool import PoolSettings
+from aurora.testing.leasesim import TRAINER, SimTrainer, SimWorker
 from aurora.testing.simnet import Faults, SimNetwork
 
 WORKERS = ["w0", "w1", "w2"]
-LOST_AFTER_S = 3.0
+WORK_S = {"w0": 0.2, "w1": 0.4, "w2": 0.7}
+"""Seconds a prompt takes each worker: a batch of several outlasts half a TTL, so leases are renewed."""
+TTL_S = 2.0
+STEPS = 60
+
+
+def _settings(*, prompts_per_lease: int = 2, ahead_steps: int = 2, max_stale: int = 1) -> PoolSettings:
+    return PoolSettings(
+        ttl_s=TTL_S, prompts_per_lease=prompts_per_lease, batch_s=2.0, ahead_steps=ahead_steps, max_stale=max_stale
+    )
 
 
 class LeaseCluster(RuleBasedStateMachine):
-    @initialize(seed=st.integers(0, 2**16), n_items=st.integers(1, 30))
-    def setup(self, seed: int, n_items: int) -> None:
+    @initialize(
+        seed=st.integers(0, 2**16),
+        batch=st.integers(1, 4),
+        max_stale=st.integers(0, 2),
+        prompts_per_lease=st.integers(1, 4),
+        ahead_steps=st.integers(1, 3),
+    )
+    def setup(self, seed: int, batch: int, max_stale: int, prompts_per_lease: int, ahead_steps: int) -> None:
         self.net = SimNetwork(seed=seed, faults=Faults(delay_s=0.01, jitter_s=0.02))
-        self.coord = Coordinator(list(range(n_items)), ttl_s=2.0, lost_after_s=LOST_AFTER_S, seed=seed)
-        self.net.add(self.coord)
-        self.incarnation = dict.fromkeys(WORKERS, 0)
-        self.disrupted = dict.fromkeys(WORKERS, -1e9)
-        self.net.on_drop = self._on_drop
-        for i, w in enumerate(WORKERS):
-            self.net.add(Worker(w, work_s=0.1 + 0.1 * i, seed=seed + i))
-        self.checked_accepts = 0
+        pool = _settings(prompts_per_lease=prompts_per_lease, ahead_steps=ahead_steps, max_stale=max_stale)
+        # a run longer than the fault schedule (up to 40 rules of at most 2.1 s): faults hit it mid-way
+        self.trainer = SimTrainer(pool, batch=batch, steps=STEPS, children=WORKERS)
+        self.net.add(self.trainer)
+        self.per_lease = prompts_per_lease
+        for w in WORKERS:
+            self.net.add(self._worker(w))
 
-    def _on_drop(self, src: str, dst: str, msg: Any) -> None:
-        for w in (src, dst):
-            if w in self.disrupted:
-                self.disrupted[w] = self.net.now
+    def _worker(self, w: str) -> SimWorker:
+        return SimWorker(w, work_s=WORK_S[w], prompts_per_lease=self.per_lease)
 
-    def _mark(self, w: str) -> None:
-        self.disrupted[w] = self.net.now
+    def _restart(self, w: str) -> None:
+        self.net.faults.crashed.discard(w)
+        self.net.replace(self._worker(w))  # a new incarnation: it holds nothing
 
     @rule(w=st.sampled_from(WORKERS))
     def crash(self, w: str) -> None:
         self.net.faults.crashed.add(w)
-        self._mark(w)
 
     @precondition(lambda self: bool(self.net.faults.crashed))
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
-        w = data.draw(st.sampled_from(sorted(self.net.faults.crashed)))
-        self.net.faults.crashed.discard(w)
-        self.incarnation[w] += 1
-        self.net.replace(Worker(w, incarnation=self.incarnation[w], work_s=0.15))
-        self._mark(w)
+        self._restart(data.draw(st.sampled_from(sorted(self.net.faults.crashed))))
 
     @rule(w=st.sampled_from(WORKERS))
     def partition(self, w: str) -> None:
-        self.net.faults.partitions.add(frozenset((w, COORD)))
-        self._mark(w)
+        self.net.faults.partitions.add(frozenset((w, TRAINER)))
 
     @rule(w=st.sampled_from(WORKERS))
     def heal(self, w: str) -> None:
-        if frozenset((w, COORD)) in self.net.faults.partitions:
-            self.net.faults.partitions.discard(frozenset((w, COORD)))
-            self._mark(w)
+        self.net.faults.partitions.discard(frozenset((w, TRAINER)))
 
     @rule(p=st.sampled_from([0.0, 0.05, 0.3]))
     def drop(self, p: float) -> None:
@@ -91,38 +101,54 @@ class LeaseCluster(RuleBasedStateMachine):
 
     @rule()
     def expire(self) -> None:
-        self.net.advance(self.coord.table.ttl_s + 0.1)  # long enough for any un-renewed lease to lapse
+        self.net.advance(TTL_S + 0.1)  # long enough for any lease not renewed to lapse
 
     @invariant()
-    def one_valid_lease_per_item(self) -> None:
-        valid = self.coord.table.valid_leases(self.net.now)
+    def one_valid_lease_per_prompt(self) -> None:
+        valid = self.trainer.pool.table.valid_leases(self.net.now)
         items = [lease.item for lease in valid]
         assert len(items) == len(set(items))
 
     @invariant()
-    def accepted_only_under_current_unexpired_lease(self) -> None:
-        log = self.coord.log
-        latest: dict[Any, bytes] = {}
+    def accepted_once_only_from_the_holder_of_the_current_unexpired_lease(self) -> None:
+        log = self.trainer.log
+        events = sorted(
+            [(t, 0, lease.item, lease.token, lease.worker, lease.expires_at) for t, lease in log.granted]
+            + [(t, 1, lease.item, lease.token, lease.worker, lease.expires_at) for t, lease in log.renewed]
+            + [(r.at, 2, r.item, r.token, r.worker, r.at) for r in log.released],
+            key=lambda e: (e[0], e[1]),
+        )
+        latest: dict[Any, tuple[bytes, str]] = {}
         expiry: dict[bytes, float] = {}
-        events = sorted([(t, 0, lease) for t, lease in log.granted] + [(t, 1, lease) for t, lease in log.renewed],
-                        key=lambda e: (e[0], e[1]))  # fmt: skip
-        seen: set[Any] = set()
+        seen: set[int] = set()
+        i = 0
         for acc in log.accepted:
-            lease = acc.lease
-            for t, _kind, g in events:
-                if t > acc.at:
-                    break
-                latest[g.item] = max(latest.get(g.item, bytes(16)), g.token)  # the sim's counter tokens sort
-                expiry[g.token] = g.expires_at
-            assert lease.token == latest[lease.item], "accepted a fenced lease"
-            assert acc.at < expiry[lease.token], "accepted an expired lease"
-            assert lease.item not in seen, "accepted twice"
-            seen.add(lease.item)
+            while i < len(events) and events[i][0] <= acc.at:
+                _, kind, item, token, worker, until = events[i]
+                if kind == 0:
+                    latest[item] = (token, worker)
+                expiry[token] = until if kind < 2 else min(expiry[token], until)
+                i += 1
+            assert latest[acc.item] == (acc.token, acc.worker), "accepted under a fenced lease, or from another worker"
+            assert acc.at < expiry[acc.token], "accepted under an expired lease"
+            assert acc.item not in seen, "accepted twice"
+            seen.add(acc.item)
 
     @invariant()
-    def lost_only_after_a_disruption(self) -> None:
-        for t, ev in self.coord.log.lost:
-            assert self.disrupted[ev.peer] >= t - LOST_AFTER_S - 0.5, f"{ev.peer} lost at {t} while reachable"
+    def nothing_accepted_or_taken_outside_the_staleness_bound(self) -> None:
+        k = self.trainer.pool.max_stale
+        assert all(0 <= a.current - a.version <= k for a in self.trainer.log.accepted)
+        assert all(0 <= v - u <= k for v, used in self.trainer.log.taken for u in used)
+
+    @invariant()
+    def leasing_stays_within_ahead_steps_batches(self) -> None:
+        pool = self.trainer.pool
+        assert pool.table.in_flight + len(pool.samples) <= pool.settings.ahead_steps * pool.batch
+
+    @invariant()
+    def no_prompt_is_lost(self) -> None:
+        pool = self.trainer.pool
+        assert len(pool.open) == pool.table.pending + pool.table.in_flight
 
     def teardown(self) -> None:
         if not hasattr(self, "net"):
@@ -131,49 +157,72 @@ class LeaseCluster(RuleBasedStateMachine):
         f.partitions.clear()
         f.drop = 0.0
         for w in sorted(f.crashed):
-            f.crashed.discard(w)
-            self.incarnation[w] += 1
-            self.net.replace(Worker(w, incarnation=self.incarnation[w], work_s=0.15))
-        self.net.advance(200.0)
-        table = self.coord.table
-        assert table.finished, f"{table.pending} pending, {table.in_flight} in flight"
-        accepted = [a.lease.item for a in self.coord.log.accepted]
-        assert sorted(accepted) == sorted(set(accepted)) == sorted(table.done)
+            self._restart(w)
+        for _ in range(100):
+            if self.trainer.finished:
+                break
+            self.net.advance(5.0)
+        pool = self.trainer.pool
+        assert self.trainer.finished, f"{len(self.trainer.log.taken)} of {self.trainer.steps} takes; {pool.stats()}"
+        self.net.advance(3 * TTL_S)  # results under way come in; leases nobody renews lapse
+        assert pool.table.in_flight == 0, pool.stats()
+        assert len(pool.open) == pool.table.pending
+        accepted = [a.item for a in self.trainer.log.accepted]
+        assert len(accepted) == len(set(accepted)) == pool.accepted
 
 
 TestLeaseCluster = LeaseCluster.TestCase
 TestLeaseCluster.settings = settings(stateful_step_count=40, deadline=None)
 
 
+def _cluster(seed: int, faults: Faults | None = None, *, steps: int = 8) -> tuple[SimNetwork, SimTrainer]:
+    net = SimNetwork(seed=seed, faults=faults)
+    trainer = SimTrainer(_settings(), batch=2, steps=steps, children=WORKERS)
+    net.add(trainer)
+    for i, w in enumerate(WORKERS):
+        net.add(SimWorker(w, work_s=0.1 * (i + 1)))
+    return net, trainer
+
+
 def test_a_failing_seed_replays_exactly() -> None:
     def run(seed: int) -> tuple[int, int, list[Any]]:
-        net = SimNetwork(seed=seed, faults=Faults(drop=0.2, duplicate=0.1, jitter_s=0.1))
-        coord = Coordinator(list(range(20)), ttl_s=2.0, seed=seed)
-        net.add(coord)
-        for i, w in enumerate(WORKERS):
-            net.add(Worker(w, work_s=0.1 * (i + 1), seed=i))
+        net, trainer = _cluster(seed, Faults(drop=0.2, duplicate=0.1, jitter_s=0.1))
         net.advance(5.0)
-        net.faults.partitions.add(frozenset(("w1", COORD)))
+        net.faults.partitions.add(frozenset(("w1", TRAINER)))
         net.advance(30.0)
-        return net.delivered, net.dropped, [(a.lease.item, a.lease.worker, a.at) for a in coord.log.accepted]
+        return net.delivered, net.dropped, [(a.item, a.worker, a.at) for a in trainer.log.accepted]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
 
 
-def test_partitioned_worker_is_lost_and_its_work_reassigned() -> None:
-    net = SimNetwork(seed=1)
-    coord = Coordinator(list(range(40)), ttl_s=2.0, seed=1)
-    net.add(coord)
-    for w in WORKERS:
-        net.add(Worker(w, work_s=0.2))
-    net.advance(2.0)
-    net.faults.partitions.add(frozenset(("w0", COORD)))
+def test_a_partitioned_workers_leases_expire_and_its_prompts_are_leased_again() -> None:
+    net, trainer = _cluster(1, steps=12)
+    net.advance(1.0)
+    cut = net.now
+    lost = next(w for w in WORKERS if any(x.worker == w for x in trainer.pool.table.valid_leases(cut)))
+    held = {x.item for x in trainer.pool.table.valid_leases(cut) if x.worker == lost}
+    net.faults.partitions.add(frozenset((lost, TRAINER)))
     net.advance(60.0)
-    assert coord.table.finished
-    assert [ev.peer for _, ev in coord.log.lost] == ["w0"]
-    late = [a for a in coord.log.accepted if a.lease.worker == "w0" and a.at > 2.0 + 0.05]
-    assert not late  # nothing from the cut-off worker counted
+    assert trainer.finished
+    assert {x.item for _, x in trainer.log.expired if x.worker == lost} == held
+    again = {a.item: a.worker for a in trainer.log.accepted if a.item in held}
+    assert set(again) == held, "what the cut-off worker held was leased to the others, and done"
+    assert lost not in again.values()
+    assert not [a for a in trainer.log.accepted if a.worker == lost and a.at > cut + 0.05]
+
+
+def test_a_renewal_keeps_a_slow_workers_lease_for_as_long_as_it_works() -> None:
+    """A worker taking many TTLs over its prompts keeps them by renewing (each renewal's TTL counts
+    from the renewal), and its results are accepted."""
+    net = SimNetwork(seed=3)
+    trainer = SimTrainer(_settings(prompts_per_lease=1, ahead_steps=1), batch=1, steps=2, children=["slow"])
+    net.add(trainer)
+    net.add(SimWorker("slow", work_s=5 * TTL_S, prompts_per_lease=1))
+    net.advance(30.0)
+    assert trainer.finished
+    assert not trainer.log.expired
+    assert len(trainer.log.renewed) >= 8
 
 
 def test_restart_budget_never_allows_more_than_intensity() -> None:

@@ -14,9 +14,11 @@ Invariants (each has a property test in tests/test_protocol_*.py):
 * A result is accepted only under the item's current, unexpired lease and
   from its holder; a late result from an expired or fenced holder is
   rejected, and an item is accepted at most once (``done``).
-* An expired lease returns its item to the front of the pool; so does every
-  lease of a worker that is dropped (`drop_worker`, on `PeerLost`), and a
-  lease whose result the coordinator cannot use (`release`).
+* An expired lease returns its item to the front of the pool; so does a lease
+  whose result the coordinator cannot use (`release`). The TTL is the only loss
+  detector: a worker talks to the coordinator through relays, so no link of the
+  coordinator's says that a worker is gone (one whose relay is lost attaches
+  elsewhere and goes on renewing under the same tokens).
 * Work is shared by measured throughput: a grant gives a worker
   ``clamp(ceil(rate * batch_s), floor, max_batch)`` items minus what it holds,
   where ``rate`` is an EMA of its accepted results per second; a worker with no
@@ -218,16 +220,6 @@ class LeaseTable:
         """Expire leases whose TTL passed; their items go back to the front of the pool."""
         for it, lease in list(self._current.items()):
             if now >= lease.expires_at:
-                self._expire(it, lease)
-
-    def drop_worker(self, worker: str) -> None:
-        """The worker is lost: expire all its leases now and forget its rate."""
-        w = self._workers.pop(worker, None)
-        if w is None:
-            return
-        for it in list(w.held):
-            lease = self._current.get(it)
-            if lease is not None and lease.worker == worker:
                 self._expire(it, lease)
 
     def _expire(self, it: Item, lease: Lease) -> None:

@@ -1,184 +1,261 @@
-"""A simulated coordinator and workers built from the real sans-IO machines.
+"""The shipped work coordinator (`aurora.protocol.workpool.WorkPool`) and model workers, simulated.
 
-`Coordinator` = `LeaseTable` + `PeerLiveness`; `Worker` = `LeaseHolder` +
-`PeerLiveness` + a single-threaded job loop that takes ``work_s`` per item.
-Both are `SimNode`s for `SimNetwork`; the stateful property tests and the
-fault-schedule tests drive them. The coordinator keeps a log of every lease it
-handed out and every result it accepted, so tests can check the invariants
-against a reference model.
+`SimTrainer` is the trainer's side as `aurora.actors.work.Coordinator` drives it: the
+`WorkPool` answering the workers' messages (`WorkPool.handle`), expiring leases and
+answering parked wants (`expire`, `unpark`), plus a learner that takes a batch at its
+version (`take`), trains for ``train_s`` and publishes the next one. `SimWorker` is a
+rollout worker as `aurora.actors.work.Worker` behaves: it asks for prompts with the
+version it generates with, renews its leases by its own clock (`LeaseHolder`), takes
+``work_s`` a prompt, sends each result under its lease, and moves to the newest
+version it has only between batches. Both are `SimNode`s for `SimNetwork`, and every
+message they send is a real one (`aurora.protocol.messages`), encoded and decoded on
+the way as a link would.
+
+The version stream is not simulated, only its end: for each version it publishes the
+trainer sends each of its ``children`` (the workers) that version's `DeltaSeal` (the
+message a node commits a version on; the seal here is blank), and sends the latest one
+again every ``announce_s``, as a relay catches up a child that fell behind.
+
+The trainer keeps a log (`TrainerLog`) of every lease it granted or renewed, every
+result it accepted or rejected and every batch its learner took, so the tests can check
+the pool's invariants against a reference model.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from aurora.protocol import (
-    Heartbeat,
-    Lease,
-    LeaseHolder,
-    LeaseTable,
-    PeerLiveness,
-    PeerLost,
-    ResultAccepted,
-    ResultRejected,
+from aurora.protocol.leases import Lease, LeaseHolder
+from aurora.protocol.messages import (
+    AppMessage,
+    DeltaSeal,
+    Grant,
+    Renew,
+    Renewed,
+    Result,
+    SampleWire,
+    SealWire,
+    Want,
+    decode_app,
+    encode,
 )
+from aurora.protocol.workpool import Accepted, PoolSettings, Rejected, ResultRules, WorkPool
+from aurora.rl.types import Prompt
 
-COORD = "coord"
+TRAINER = "trainer"
+RULES = ResultRules(vocab_size=128, max_new_tokens=8)
+BLANK_SEAL = SealWire(b"", bytes(64))
+"""What the simulated version stream's seals carry (nothing is signed here)."""
+
+
+def prompts() -> Iterator[Prompt]:
+    """An endless task of prompts, each tokenized as the trainer would."""
+    i = 0
+    while True:
+        yield Prompt(i, f"{i % 10}+1=", str(i % 10 + 1), tokens=(1, 3 + i % 10, 4))
+        i += 1
+
+
+def wire(msg: AppMessage) -> AppMessage:
+    """``msg`` as the other end of a link gets it: encoded and decoded (a message out of its
+    bounds raises `BadMessage` here, as it would on a real link)."""
+    return decode_app(encode(msg))
 
 
 @dataclass(frozen=True, slots=True)
-class WorkRequest:
-    incarnation: int
+class Acceptance:
+    at: float
+    worker: str
+    item: int
+    token: bytes
+    version: int
+    """The version the result was made with."""
+    current: int
+    """The trainer's version when it was accepted."""
 
 
 @dataclass(frozen=True, slots=True)
-class Granted:
-    leases: tuple[Lease, ...]
+class Release:
+    """A result too stale to use: its lease ended at ``at`` and its prompt went back to the pool."""
 
-
-@dataclass(frozen=True, slots=True)
-class Renew:
-    tokens: tuple[bytes, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Renewed:
-    leases: tuple[Lease, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    item: Any
+    at: float
+    worker: str
+    item: int
     token: bytes
 
 
 @dataclass(slots=True)
-class CoordinatorLog:
+class TrainerLog:
     granted: list[tuple[float, Lease]] = field(default_factory=list)
     renewed: list[tuple[float, Lease]] = field(default_factory=list)
-    accepted: list[ResultAccepted] = field(default_factory=list)
-    rejected: list[ResultRejected] = field(default_factory=list)
-    lost: list[tuple[float, PeerLost]] = field(default_factory=list)
+    accepted: list[Acceptance] = field(default_factory=list)
+    rejected: list[tuple[float, str, Rejected]] = field(default_factory=list)
+    released: list[Release] = field(default_factory=list)
+    expired: list[tuple[float, Lease]] = field(default_factory=list)
+    taken: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Per take: the learner's version and the versions of the results it took."""
 
 
-class Coordinator:
-    def __init__(self, items: list[Any], *, ttl_s: float = 5.0, hb_interval_s: float = 0.5,
-                 suspect_after_s: float = 1.5, lost_after_s: float = 3.0, seed: int = 0) -> None:  # fmt: skip
-        self.name = COORD
-        self.table = LeaseTable(ttl_s=ttl_s, batch_s=2.0, max_batch=8)
-        self.table.add_items(items)
-        self.live = PeerLiveness(COORD, interval_s=hb_interval_s, jitter=0.2, suspect_after_s=suspect_after_s,
-                                 lost_after_s=lost_after_s, seed=seed)  # fmt: skip
-        self.log = CoordinatorLog()
-        self._out: list[tuple[str, Any]] = []
+class SimTrainer:
+    """The trainer's coordinator and learner (see the module docstring)."""
 
-    def handle(self, src: str, msg: Any, now: float) -> None:
-        self.live.add_peer(src, now)
-        if isinstance(msg, Heartbeat):
-            self.live.on_heartbeat(msg, now)
-        elif isinstance(msg, WorkRequest):
-            leases = self.table.grant(src, now)
-            self.log.granted += [(now, lease) for lease in leases]
-            if leases:
-                self._out.append((src, Granted(tuple(leases))))
-        elif isinstance(msg, Renew):
-            renewed = self.table.renew(src, msg.tokens, now)
-            self.log.renewed += [(now, lease) for lease in renewed]
-            if renewed:
-                self._out.append((src, Renewed(tuple(renewed))))
-        elif isinstance(msg, Result):
-            self.table.complete(src, msg.item, msg.token, now)
+    def __init__(
+        self,
+        settings: PoolSettings,
+        *,
+        batch: int,
+        steps: int,
+        children: Sequence[str],
+        group_size: int = 1,
+        train_s: float = 0.3,
+        announce_s: float = 0.5,
+    ) -> None:
+        self.name = TRAINER
+        self.pool = WorkPool(settings, prompts(), RULES, group_size=group_size, batch=batch, steps=steps)
+        self.batch = batch
+        self.steps = steps
+        self.train_s = train_s
+        self.announce_s = announce_s
+        self.current = 0
+        """The version the trainer holds (its flow's: what the pool is told)."""
+        self.training_until: float | None = None
+        self.next_announce = 0.0
+        self.children = sorted(children)
+        """The workers the version stream reaches (the tree below the trainer)."""
+        self.log = TrainerLog()
+        self._out: list[tuple[str, AppMessage]] = []
 
-    def tick(self, now: float) -> None:
-        self.live.tick(now)
-        for ev in self.live.events():
-            if isinstance(ev, PeerLost):
-                self.log.lost.append((now, ev))
-                self.table.drop_worker(ev.peer)
-        self.table.tick(now)
-        for e in self.table.events():
-            if isinstance(e, ResultAccepted):
-                self.log.accepted.append(e)
-            elif isinstance(e, ResultRejected):
-                self.log.rejected.append(e)
-
-    def next_deadline(self) -> float | None:
-        ds = [d for d in (self.live.next_deadline(), self.table.next_deadline()) if d is not None]
-        return min(ds, default=None)
-
-    def outbox(self) -> list[tuple[str, Any]]:
-        out = [(dst, hb) for dst, hb in self.live.messages_to_send()]
-        out += self._out
-        self._out = []
-        return out
-
-
-class Worker:
-    def __init__(self, name: str, *, incarnation: int = 0, work_s: float = 0.2, request_every_s: float = 0.3,
-                 hb_interval_s: float = 0.5, seed: int = 0) -> None:  # fmt: skip
-        self.name = name
-        self.incarnation = incarnation
-        self.work_s = work_s
-        self.request_every_s = request_every_s
-        self.holder = LeaseHolder(name, renew_fraction=0.5)
-        self.live = PeerLiveness(name, incarnation=incarnation, interval_s=hb_interval_s, jitter=0.2,
-                                 suspect_after_s=1.5, lost_after_s=3.0, seed=seed)  # fmt: skip
-        self.queue: deque[Any] = deque()
-        self.current: tuple[Any, float] | None = None
-        self.next_request = 0.0
-        self.completed: list[Any] = []
-        self._out: list[tuple[str, Any]] = []
-        self._started = False
+    @property
+    def finished(self) -> bool:
+        """The learner has taken every step's batch."""
+        return len(self.log.taken) == self.steps
 
     def handle(self, src: str, msg: Any, now: float) -> None:
-        if isinstance(msg, Heartbeat):
-            self.live.on_heartbeat(msg, now)
-        elif isinstance(msg, Granted):
-            self.holder.on_granted(msg.leases, now)
-            self.queue.extend(lease.item for lease in msg.leases)
-        elif isinstance(msg, Renewed):
-            self.holder.on_renewed(msg.leases, now)
+        if not isinstance(msg, Want | Renew | Result):
+            return
+        answer = self.pool.handle(msg, now, self.current)
+        if isinstance(answer.reply, Grant):
+            self.log.granted += [(now, self._lease(g.item)) for g in answer.reply.leases]
+        elif isinstance(answer.reply, Renewed):
+            self.log.renewed += [(now, self._lease(r.item)) for r in answer.reply.leases]
+        if isinstance(answer.outcome, Accepted) and isinstance(msg, Result):
+            self.log.accepted.append(Acceptance(now, msg.w, msg.item, msg.token, msg.v, self.current))
+        elif isinstance(answer.outcome, Rejected) and isinstance(msg, Result):
+            self.log.rejected.append((now, src, answer.outcome))
+            if answer.outcome.kind == "stale":  # the pool gave the prompt back: its lease ended now
+                self.log.released.append(Release(now, msg.w, msg.item, msg.token))
+        if answer.reply is not None:
+            self._out.append((src, answer.reply))
+
+    def _lease(self, item: int) -> Lease:
+        lease = self.pool.table.current(item)
+        assert lease is not None, "a lease just granted or renewed is current"
+        return lease
 
     def tick(self, now: float) -> None:
-        if not self._started:
-            self.live.add_peer(COORD, now)
-            self._started = True
-        self.live.tick(now)
-        self.live.events()
-        self.holder.tick(now)
-        self.holder.events()
-        if self.current is not None and now >= self.current[1]:
-            item = self.current[0]
-            self.current = None
-            lease = self.holder.take(item)
-            if lease is not None:  # still ours: report it
-                self.completed.append(item)
-                self._out.append((COORD, Result(item, lease.token)))
-        while self.current is None and self.queue:
-            item = self.queue.popleft()
-            if self.holder.lease(item) is not None:
-                self.current = (item, now + self.work_s)
-        tokens = self.holder.renewals_due(now)
-        if tokens:
-            self._out.append((COORD, Renew(tuple(tokens))))
-        if not self.holder.items and now >= self.next_request:
-            self._out.append((COORD, WorkRequest(self.incarnation)))
-            self.next_request = now + self.request_every_s
+        self.log.expired += [(now, e.lease) for e in self.pool.expire(now)]
+        if self.training_until is not None and now >= self.training_until:
+            self.training_until = None
+            self.current += 1  # the learner publishes the version it trained
+            self.next_announce = now
+        if self.training_until is None and not self.finished:
+            taken = self.pool.take(self.batch, self.current)
+            if taken is not None:
+                self.log.taken.append((self.current, [c.version for _, c in taken]))
+                self.training_until = now + self.train_s
+        for w, granted in self.pool.unpark(now, self.current).items():
+            self.log.granted += [(now, lease) for lease, _ in granted]
+            self._out.append((w, self.pool.grant_message(w, granted)))
+        if now >= self.next_announce:
+            self._out += [(w, DeltaSeal(target=self.current, seal=BLANK_SEAL)) for w in self.children]
+            self.next_announce = now + self.announce_s
 
     def next_deadline(self) -> float | None:
-        ds = [
-            self.live.next_deadline(),
-            self.holder.next_deadline(),
-            self.next_request if not self.holder.items else None,
-        ]
-        if self.current is not None:
-            ds.append(self.current[1])
+        ds = [self.pool.next_deadline(), self.training_until, self.next_announce]
         return min((d for d in ds if d is not None), default=None)
 
     def outbox(self) -> list[tuple[str, Any]]:
-        out = [(dst, hb) for dst, hb in self.live.messages_to_send()]
-        out += self._out
-        self._out = []
+        out, self._out = [(dst, wire(m)) for dst, m in self._out], []
+        return out
+
+
+class SimWorker:
+    """A rollout worker (see the module docstring); a restart is a new one under the same name."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        work_s: float = 0.2,
+        prompts_per_lease: int = 2,
+        want_every_s: float = 1.0,
+        renew_fraction: float = 0.5,
+    ) -> None:
+        self.name = name
+        self.work_s = work_s
+        self.prompts_per_lease = prompts_per_lease
+        self.want_every_s = want_every_s
+        """How long a want waits for a grant or a new version before it is sent again."""
+        self.holder = LeaseHolder(name, renew_fraction=renew_fraction)
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.group_size = 1
+        self.node_version: int | None = None
+        """The newest version this worker's node has committed."""
+        self.version: int | None = None
+        """The version its engine generates with (moves to ``node_version`` between batches)."""
+        self.batch: tuple[float, list[int], int] | None = None
+        """Generating: (until when, the prompts, with which version)."""
+        self.next_want = 0.0
+        self._out: list[tuple[str, AppMessage]] = []
+
+    def handle(self, src: str, msg: Any, now: float) -> None:
+        if isinstance(msg, Grant):
+            self.holder.on_granted([Lease(g.item, self.name, g.token, now, now + g.ttl_s) for g in msg.leases], now)
+            self.prompts.update((g.item, tuple(g.tokens)) for g in msg.leases)
+            self.group_size = msg.n
+            self.next_want = now
+        elif isinstance(msg, Renewed):
+            self.holder.on_renewed([Lease(r.item, self.name, r.token, now, now + r.ttl_s) for r in msg.leases], now)
+        elif isinstance(msg, DeltaSeal) and (self.node_version is None or msg.target > self.node_version):
+            self.node_version = msg.target
+            self.next_want = now  # a want waits for a grant or a new version
+
+    def tick(self, now: float) -> None:
+        self.holder.tick(now)
+        for ev in self.holder.events():  # given up by its own clock: the trainer leases it again
+            self.prompts.pop(cast(int, ev.lease.item), None)
+        tokens = self.holder.renewals_due(now)
+        for i in range(0, len(tokens), 256):
+            self._out.append((TRAINER, Renew(w=self.name, tokens=tokens[i : i + 256])))
+        if self.batch is not None and now >= self.batch[0]:
+            _, items, version = self.batch
+            self.batch = None
+            for item in items:
+                lease = self.holder.take(item)
+                self.prompts.pop(item, None)
+                if lease is not None:  # still held: its result goes up under its lease
+                    samples = [SampleWire([5, 6], [-0.5, -0.25])] * self.group_size
+                    self._out.append(
+                        (TRAINER, Result(w=self.name, item=item, token=lease.token, v=version, samples=samples))
+                    )
+        if self.batch is not None or self.node_version is None:
+            return
+        self.version = self.node_version  # between batches: the newest version the node holds
+        held = [i for i in self.prompts if self.holder.lease(i) is not None]
+        if held:
+            self.batch = (now + self.work_s * len(held), held, self.version)
+        elif now >= self.next_want:
+            self._out.append((TRAINER, Want(w=self.name, n=self.prompts_per_lease, v=self.version)))
+            self.next_want = now + self.want_every_s
+
+    def next_deadline(self) -> float | None:
+        ds = [self.holder.next_deadline(), None if self.batch is None else self.batch[0]]
+        if self.batch is None and self.node_version is not None:
+            ds.append(self.next_want)
+        return min((d for d in ds if d is not None), default=None)
+
+    def outbox(self) -> list[tuple[str, Any]]:
+        out, self._out = [(dst, wire(m)) for dst, m in self._out], []
         return out
