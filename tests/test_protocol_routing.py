@@ -11,18 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from aurora.protocol.routing import (
-    Command,
-    Compose,
-    DeltaInfo,
-    Replay,
-    SendCatchUp,
-    SendChunk,
-    SendManifest,
-    Snapshot,
-    VersionRouter,
-    choose_catch_up,
-)
+from aurora.protocol import routing
+from aurora.protocol.routing import Command, DeltaInfo, SendCatchUp, SendChunk, SendManifest, VersionRouter
 
 CHILDREN = ["c0", "c1", "c2"]
 
@@ -206,10 +196,10 @@ def test_a_catch_up_replays_the_shortest_chain_composes_only_from_the_store_else
     if have is not None and have >= to:
         return  # the router sends a catch-up only to a child behind
     stored = stored and have is not None
-    got = choose_catch_up(have, to, history, stored=stored)
+    got = routing.choose_catch_up(have, to, history, stored=stored)
     chains = _chains(have, to, history)
-    alone = choose_catch_up(have, to, history, stored=False)
-    if isinstance(got, Compose):
+    alone = routing.choose_catch_up(have, to, history, stored=False)
+    if isinstance(got, routing.Compose):
         assert stored
         assert got.base == have
         assert got.to == to
@@ -219,23 +209,27 @@ def test_a_catch_up_replays_the_shortest_chain_composes_only_from_the_store_else
         assert got == alone
         assert not stored or (chains and max(chains) == to)
     if chains:
-        assert isinstance(alone, Replay)
+        assert isinstance(alone, routing.Replay)
         assert (alone.first, alone.to) == (max(chains), to)  # the shortest: latest start
     else:
-        assert isinstance(alone, Snapshot)
+        assert isinstance(alone, routing.Snapshot)
         assert alone.to == to
 
 
 def test_catch_up_choices_and_their_reasons() -> None:
     history = {5: False, 6: False, 7: False}
-    assert choose_catch_up(6, 7, history, stored=True) == Replay(7, 7, "the history leads from a delta from v6 to v7")
-    composed = choose_catch_up(4, 7, history, stored=True)
-    assert isinstance(composed, Compose)
+    assert routing.choose_catch_up(6, 7, history, stored=True) == routing.Replay(
+        7, 7, "the history holds v7..v7, from the delta on v6"
+    )
+    composed = routing.choose_catch_up(4, 7, history, stored=True)
+    assert isinstance(composed, routing.Compose)
     assert composed.reason == "v4 is stored, 3 versions to replay: one composed delta"
-    assert composed.otherwise == Replay(5, 7, "the history leads from a delta from v4 to v7")
-    far = choose_catch_up(1, 7, history, stored=True)
-    assert isinstance(far, Compose)
-    assert far.otherwise == Snapshot(7, "the history holds no way from v1 to v7")
-    assert choose_catch_up(None, 7, history, stored=False) == Snapshot(7, "the child holds nothing")
+    assert composed.otherwise == routing.Replay(5, 7, "the history holds v5..v7, from the delta on v4")
+    far = routing.choose_catch_up(1, 7, history, stored=True)
+    assert isinstance(far, routing.Compose)
+    assert far.otherwise == routing.Snapshot(7, "the history holds no way from v1 to v7")
+    assert routing.choose_catch_up(None, 7, history, stored=False) == routing.Snapshot(7, "the child holds nothing")
     full = {5: True, 6: True, 7: True}  # full-weight mode: one snapshot, not the chain of them
-    assert choose_catch_up(2, 7, full, stored=False) == Replay(7, 7, "the history leads from a snapshot to v7")
+    assert routing.choose_catch_up(2, 7, full, stored=False) == routing.Replay(
+        7, 7, "the history holds v7..v7, from a snapshot"
+    )

@@ -236,8 +236,8 @@ def choose_catch_up(have: int | None, to: int, history: Mapping[int, bool], *, s
             break
         v -= 1
     if first is not None:
-        what = "snapshot" if history[first] else f"delta from v{have}"
-        fallback: Replay | Snapshot = Replay(first, to, f"the history leads from a {what} to v{to}")
+        start = "a snapshot" if history[first] else f"the delta on v{have}"
+        fallback: Replay | Snapshot = Replay(first, to, f"the history holds v{first}..v{to}, from {start}")
     elif have is None:
         fallback = Snapshot(to, "the child holds nothing")
     else:
