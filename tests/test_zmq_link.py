@@ -9,7 +9,7 @@ from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqChannel, ZmqClient, Z
 
 from aurora.auth.keys import NodeKeys
 from aurora.errors import ConfigError, TransportClosed
-from aurora.protocol.messages import Probe
+from aurora.protocol.messages import LinkBeat, LinkClose, LinkCredit, Probe
 
 CFG = LinkConfig(window=8, heartbeat_s=0.1, suspect_after_s=0.4, lost_after_s=0.8)
 
@@ -60,7 +60,13 @@ async def test_a_parent_that_dies_before_it_is_heard_leaves_nothing_half_sent() 
 async def test_lost_credit_reports_are_healed_by_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
     """Credit totals are cumulative and ride on heartbeats, so dropping every explicit
     credit frame slows a sender down but never stalls it."""
-    monkeypatch.setattr(ZmqChannel, "_report_read", lambda self, total: None)
+    send_control = ZmqChannel._send_control
+
+    def drop_credit(self: ZmqChannel, frame: LinkCredit | LinkBeat | LinkClose) -> None:
+        if not isinstance(frame, LinkCredit):
+            send_control(self, frame)
+
+    monkeypatch.setattr(ZmqChannel, "_send_control", drop_credit)
     async with asyncio.TaskGroup() as tg:
         server = ZmqServer("parent", cfg=CFG)
         addr = await server.start_in(tg)

@@ -1,31 +1,30 @@
-"""`ChannelBase`: the bookkeeping every `Channel` shares — close state, inbox, flow control.
+"""`ChannelBase`: the thin driver every `Channel` shares over its link machine.
 
-Flow control is credit-based with *cumulative* counts, so a lost or late
-credit report never leaks credit: the sender counts messages sent, the
-receiver counts messages the application has read and reports that total
-(every ``window // 2`` reads, and again with each heartbeat where the
-transport has them). A sender may have at most ``window`` messages that the
-peer has not reported read; the receiver's inbox therefore never holds more
-than ``window`` messages, and a peer that sends more is cut off.
+The rules — cumulative credit, the close states, heartbeats and loss, fault counting — are one
+sans-IO machine, `aurora.protocol.link.Link` (its docstring states them). This class holds what
+is asynchronous: the inbox the application reads, the events senders and closers wait on, and
+the execution of the machine's outputs (control frames out, messages delivered, waiters woken,
+logs). It reads the transports' clock through `loop_now` only.
 
-A transport subclass supplies `_transmit` (put one data message on the wire:
-its encoded header and buffers), `_report_read` (best-effort, never blocks),
-`_send_close` and `_notify_close` (best effort, never blocks); its receive path
-decodes every message (`aurora.protocol.messages`) and calls `_deliver`,
-`_peer_read`, `_shut`, or `fault` for what does not decode.
+A transport subclass supplies `_transmit` (put one data message on the wire: its encoded header
+and buffers), `_send_control` (one control frame: best effort, never blocks) and, if a close must
+wait for queued bytes, `_flush_close`; its receive path decodes what arrives
+(`aurora.protocol.messages`) and calls `_received` with each link frame (a data frame with its
+`Message`), `_heard` for bytes that are not a whole frame yet, and `fault` for what does not
+decode. A transport with heartbeats passes `LinkTimings` and calls `_tick` when the link's
+`next_deadline()` comes (`wait_until` sleeps until then or an event).
 
-Faults: a peer's malformed or out-of-place messages are counted and logged (at
-most a line per peer every few seconds, with the count); `FAULTS_TO_CLOSE`
-within `FAULT_WINDOW_S` close the channel, so a peer that keeps at it is cut
-off (it may reconnect; its new channel starts with a clean slate). A transport whose peer must answer
-before anything is sent (so that nothing goes to an incarnation that was never
-heard) calls `_await_peer` at creation and `_peer_heard` when the peer answers.
+Faults: a peer's malformed or out-of-place messages are counted and logged (at most a line per
+peer every few seconds, with the count); `FAULTS_TO_CLOSE` within `FAULT_WINDOW_S` close the
+channel, so a peer that keeps at it is cut off (it may reconnect; its new channel starts with a
+clean slate).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import contextlib
+from collections.abc import Iterable
 
 import structlog
 from aurora.transport.base import Message, check_frame
@@ -33,64 +32,79 @@ from aurora.transport.base import Message, check_frame
 from aurora.errors import TransportClosed
 from aurora.events import BAD_MESSAGE, CHANNEL_CLOSED
 from aurora.logs import Throttle
-from aurora.protocol.messages import AppMessage, encode_app
+from aurora.protocol.link import (
+    FAULT_WINDOW_S,
+    FAULTS_TO_CLOSE,
+    Closed,
+    Deliver,
+    Faulted,
+    Link,
+    LinkState,
+    LinkTimings,
+    Output,
+    SendFrame,
+    Writable,
+)
+from aurora.protocol.liveness import PeerLost, PeerRejoined
+from aurora.protocol.messages import AppMessage, LinkBeat, LinkClose, LinkCredit, LinkFrame, encode_app
 
 log = structlog.get_logger("aurora.transport")
 
-FAULTS_TO_CLOSE = 16
-FAULT_WINDOW_S = 10.0
-"""A peer may send this many bad messages in this many seconds before its channel is closed: a
-slip (one message of a kind this build does not know) is forgiven, a stream of garbage is not."""
 _quiet = Throttle(every_s=5.0)
 
 
+def loop_now() -> float:
+    """The transports' clock: the running event loop's (the one place transport/ reads time)."""
+    return asyncio.get_running_loop().time()
+
+
+async def wait_until(event: asyncio.Event, deadline: float | None) -> None:
+    """Until ``event`` is set or `loop_now` reaches ``deadline`` (None: no deadline)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout_at(deadline):
+            await event.wait()
+
+
 class ChannelBase:
-    def __init__(self, peer: str, window: int, max_frame_bytes: int) -> None:
+    def __init__(self, peer: str, window: int, max_frame_bytes: int, *, timings: LinkTimings | None = None,
+                 incarnation: int = 0, name: str | None = None, await_peer: bool = False,
+                 seed: int = 0) -> None:  # fmt: skip
         self.peer = peer
         self.window = window
         self.max_frame_bytes = max_frame_bytes
+        self.link: Link[Message] = Link(peer, window=window, timings=timings,
+                                        now=loop_now() if timings is not None else 0.0,
+                                        incarnation=incarnation, name=name, await_peer=await_peer, seed=seed)  # fmt: skip
         self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self._reason: str | None = None
-        self._sent = 0
-        self._acked = 0  # the peer's reported read total
-        self._read = 0
-        self._reported = 0
-        self._credit_ev = asyncio.Event()
-        self._credit_ev.set()
+        self._writable = asyncio.Event()
         self._closed_ev = asyncio.Event()
-        self._open_ev = asyncio.Event()
-        self._open_ev.set()
-        self.faults = 0
-        """Bad messages this peer sent on this channel."""
-        self.cut_off = False
-        """Closed because the peer kept sending bad messages (its transport may ban it a while)."""
-        self._fault_times: deque[float] = deque(maxlen=FAULTS_TO_CLOSE)
 
     @property
     def closed(self) -> bool:
-        return self._reason is not None
+        return self.link.closed
 
     @property
     def close_reason(self) -> str | None:
-        return self._reason
+        return self.link.reason
 
-    def _check_open(self, what: str = "to") -> None:
-        if self._reason is not None:
-            raise TransportClosed(f"channel {what} {self.peer!r} is closed ({self._reason})")
+    @property
+    def faults(self) -> int:
+        """Bad messages this peer sent on this channel."""
+        return self.link.faults
+
+    @property
+    def cut_off(self) -> bool:
+        """Closed because the peer kept sending bad messages (its transport may ban it a while)."""
+        return self.link.cut_off
 
     async def send(self, msg: AppMessage, *buffers: bytes | memoryview) -> None:
         """Send one message; waits for credit. Cancellation-safe until the message is on the wire."""
-        self._check_open()
+        self.link.ensure_open()
         header = encode_app(msg)
         check_frame((header, *buffers), self.max_frame_bytes, self.peer)
-        if not self._open_ev.is_set():
-            await self._open_ev.wait()
-            self._check_open()
-        while self._sent - self._acked >= self.window:
-            self._credit_ev.clear()
-            await self._credit_ev.wait()
-            self._check_open()
-        self._sent += 1
+        while not self.link.try_send():  # raises TransportClosed once closed
+            self._writable.clear()
+            await self._writable.wait()
         try:
             await self._transmit(header, buffers)
         except asyncio.CancelledError:
@@ -103,85 +117,93 @@ class ChannelBase:
         msg = await self._inbox.get()
         if msg is None:
             self._inbox.put_nowait(None)  # keep waking other receivers
-            self._check_open("from")
+            self.link.ensure_open("from")
             raise TransportClosed(f"channel from {self.peer!r} is closed")
-        self._read += 1
-        if self._read - self._reported >= max(1, self.window // 2):
-            self._reported = self._read
-            self._report_read(self._read)
+        self._do(self.link.read())
         return msg
 
     async def close(self, reason: str = "closed") -> None:
-        if self._reason is None:
+        """Close, telling the peer; returns once closed (at once if it was)."""
+        if self.link.state is LinkState.CLOSING:
+            await self.wait_closed()
+            return
+        out = self.link.close(reason)
+        if out:
             try:
-                await self._send_close(reason)
+                self._do(out)
+                await self._flush_close()
             finally:
                 self._shut(reason)
 
     def fault(self, reason: str) -> None:
         """See the module docstring: count, log (throttled), and close the channel past the limit."""
-        now = asyncio.get_running_loop().time()
-        self.faults += 1
-        self._fault_times.append(now)
-        suppressed = _quiet.allow(self.peer, now)
-        if suppressed is not None:
-            log.warning(BAD_MESSAGE, peer=self.peer, reason=reason[:300], suppressed=suppressed, faults=self.faults)
-        if len(self._fault_times) == FAULTS_TO_CLOSE and now - self._fault_times[0] < FAULT_WINDOW_S:
-            why = f"peer {self.peer!r} sent {FAULTS_TO_CLOSE} bad messages within {FAULT_WINDOW_S:g} s (last: {reason[:200]})"
-            self.cut_off = True
-            self.abort(why)
+        self._do(self.link.fault(reason, loop_now()))
 
     async def wait_closed(self) -> None:
         await self._closed_ev.wait()
 
     def abort(self, reason: str) -> None:
         """Close now, telling the peer if that can be done without waiting."""
-        if self._reason is None:
-            self._notify_close(reason)
-            self._shut(reason)
+        self._do(self.link.abort(reason))
 
-    # -- for the transport's receive path
-    def _deliver(self, msg: Message) -> None:
-        if self._reason is not None:
-            return
-        if self._inbox.qsize() >= self.window:
-            self._shut(f"peer {self.peer!r} overran the flow-control window")
-            return
-        self._inbox.put_nowait(msg)
+    # -- for the transport's receive path and timer
+    def _received(self, frame: LinkFrame, message: Message | None = None) -> None:
+        self._do(self.link.received(frame, loop_now(), message))
 
-    def _peer_read(self, total: int) -> None:
-        if total > self._acked:
-            self._acked = min(total, self._sent)
-            self._credit_ev.set()
+    def _heard(self) -> None:
+        self.link.heard(loop_now())
 
-    def _await_peer(self) -> None:
-        self._open_ev.clear()
-
-    def _peer_heard(self) -> None:
-        self._open_ev.set()
+    def _tick(self, now: float) -> None:
+        self._do(self.link.tick(now))
 
     def _shut(self, reason: str) -> None:
-        if self._reason is None:
-            self._reason = reason
-            self._credit_ev.set()
-            self._open_ev.set()
-            self._closed_ev.set()
-            self._inbox.put_nowait(None)
-            self._on_shut()
-            log.info(CHANNEL_CLOSED, peer=self.peer, reason=reason)
+        """Closed without telling the peer."""
+        self._do(self.link.shut(reason))
+
+    def _do(self, outputs: Iterable[Output[Message]]) -> None:
+        """Execute the link's outputs, in order."""
+        for out in outputs:
+            if isinstance(out, SendFrame):
+                self._send_control(out.frame)
+            elif isinstance(out, Deliver):
+                self._inbox.put_nowait(out.message)
+            elif isinstance(out, Writable):
+                self._writable.set()
+            elif isinstance(out, Faulted):
+                suppressed = _quiet.allow(self.peer, loop_now())
+                if suppressed is not None:
+                    log.warning(BAD_MESSAGE, peer=self.peer, reason=out.reason[:300], suppressed=suppressed,
+                                faults=out.faults)  # fmt: skip
+            elif isinstance(out, PeerLost):
+                self._lost(out.silent_s)
+            elif isinstance(out, PeerRejoined):
+                self._rejoined(out.incarnation)
+            elif isinstance(out, Closed):
+                self._writable.set()
+                self._closed_ev.set()
+                self._inbox.put_nowait(None)
+                self._on_shut()
+                log.info(CHANNEL_CLOSED, peer=self.peer, reason=out.reason)
 
     # -- for subclasses
     async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
         raise NotImplementedError
 
-    def _notify_close(self, reason: str) -> None:
-        """Best effort, never blocks: tell the peer the channel closes."""
-
-    def _report_read(self, total: int) -> None:
+    def _send_control(self, frame: LinkCredit | LinkBeat | LinkClose) -> None:
+        """Best effort, never blocks: put one control frame on the wire."""
         raise NotImplementedError
 
-    async def _send_close(self, reason: str) -> None:
-        raise NotImplementedError
+    async def _flush_close(self) -> None:
+        """Hook: the close frame is out; wait (bounded) for queued bytes to leave."""
+
+    def _lost(self, silent_s: float) -> None:
+        """Hook: the peer was silent too long (the channel closes next)."""
+
+    def _rejoined(self, incarnation: int) -> None:
+        """Hook: the peer restarted (the channel closes next; its transport may open a fresh one)."""
 
     def _on_shut(self) -> None:
         """Hook: the channel has just closed (any cause)."""
+
+
+__all__ = ["FAULTS_TO_CLOSE", "FAULT_WINDOW_S", "ChannelBase", "LinkTimings", "loop_now", "wait_until"]

@@ -64,11 +64,11 @@ from aurora.transport.base import (
     check_timings,
     new_incarnation,
 )
-from aurora.transport.channel import ChannelBase
+from aurora.transport.channel import ChannelBase, loop_now, wait_until
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.events import WEBRTC_ACCEPTED, WEBRTC_FINGERPRINT_MISMATCH
-from aurora.protocol import Heartbeat, PeerLiveness, PeerLost
+from aurora.protocol.link import LinkTimings
 from aurora.protocol.messages import (
     MAX_REASON_CHARS,
     AppMessage,
@@ -245,45 +245,35 @@ def decode_frame(data: bytes | bytearray) -> tuple[LinkFrame, AppMessage | None,
 
 
 class WebRtcChannel(ChannelBase):
-    """One data channel on its own peer connection (see the module docstring)."""
+    """One data channel on its own peer connection (see the module docstring): a `ChannelBase`
+    whose frames travel as pieces."""
 
     def __init__(self, node_id: str, peer: str, pc: RTCPeerConnection, dc: RTCDataChannel, cfg: RtcConfig) -> None:
-        super().__init__(peer, cfg.window, cfg.max_frame_bytes)
+        super().__init__(peer, cfg.window, cfg.max_frame_bytes,
+                         timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
+                         incarnation=new_incarnation())  # fmt: skip
         self.pc = pc
         self.dc = dc
         self.cfg = cfg
         self._assembly = bytearray()
         self._room_ev = asyncio.Event()
         self._room_ev.set()
-        self.live = PeerLiveness(node_id, incarnation=new_incarnation(), interval_s=cfg.heartbeat_s,
-                                 jitter=0.1, suspect_after_s=cfg.suspect_after_s, lost_after_s=cfg.lost_after_s)  # fmt: skip
         dc.bufferedAmountLowThreshold = cfg.buffered_low_bytes
         dc.on("message", self._on_piece)
         dc.on("bufferedamountlow", self._room_ev.set)
-        self._closing: str | None = None
         self._on_close: list[Callable[[], None]] = []
-        dc.on("close", lambda: self._shut(self._closing or "peer closed the data channel"))
+        dc.on("close", lambda: self._shut(self.link.closing or "peer closed the data channel"))
         pc.on("connectionstatechange", self._on_state)
 
     def start_in(self, tg: asyncio.TaskGroup) -> None:
         """Run the channel's heartbeats, and close the peer connection once the channel ends."""
-        self.live.add_peer(self.peer, asyncio.get_running_loop().time())
         tg.create_task(self._run())
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while not self.closed:
-                self.live.tick(loop.time())
-                for _, hb in self.live.messages_to_send():
-                    self._control(LinkBeat(i=hb.incarnation, s=hb.seq, r=self._read))
-                for ev in self.live.events():
-                    if isinstance(ev, PeerLost):
-                        log.warning("peer_lost", peer=self.peer, silent_s=round(ev.silent_s, 2))
-                        self._shut(f"peer lost: silent for {ev.silent_s:.1f} s")
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.cfg.heartbeat_s / 4):
-                        await self._closed_ev.wait()
+                self._tick(loop_now())
+                await wait_until(self._closed_ev, self.link.next_deadline())
         finally:
             await self.pc.close()
 
@@ -297,7 +287,7 @@ class WebRtcChannel(ChannelBase):
                 await asyncio.wait({room, closed}, return_when=asyncio.FIRST_COMPLETED)
                 room.cancel()
                 closed.cancel()
-            self._check_open()
+            self.link.ensure_open()
 
     async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
         for piece in encode_message(header, buffers):
@@ -307,23 +297,15 @@ class WebRtcChannel(ChannelBase):
     def _put(self, piece: bytes) -> None:
         if self.dc.readyState != "open":
             self._shut(f"data channel is {self.dc.readyState}")
-            self._check_open()
+            self.link.ensure_open()
         self.dc.send(piece)
 
-    def _control(self, frame: LinkFrame) -> None:
+    def _send_control(self, frame: LinkCredit | LinkBeat | LinkClose) -> None:
         if self.dc.readyState == "open":
             (piece,) = encode_pieces(frame, (), last_flags=CONTROL)
             self.dc.send(piece)
 
-    def _report_read(self, total: int) -> None:
-        self._control(LinkCredit(n=total))
-
-    def _notify_close(self, reason: str) -> None:
-        self._closing = reason
-        self._control(LinkClose(reason=reason[:MAX_REASON_CHARS]))
-
-    async def _send_close(self, reason: str) -> None:
-        self._notify_close(reason)
+    async def _flush_close(self) -> None:
         if self.dc.bufferedAmount > 0:  # let the queued bytes and the close message leave first
             self._room_ev.clear()
             self.dc.bufferedAmountLowThreshold = 0
@@ -337,8 +319,7 @@ class WebRtcChannel(ChannelBase):
             self._shut("peer sent a text or empty data-channel message")
             return
         flags = piece[0]
-        now = asyncio.get_running_loop().time()
-        self.live.heard(self.peer, now)  # any piece shows the peer alive, even mid-message
+        self._heard()  # any piece shows the peer alive, even mid-message
         if flags & CONTROL:
             data: bytes | bytearray = piece[1:]
         else:
@@ -354,20 +335,14 @@ class WebRtcChannel(ChannelBase):
         except BadMessage as e:
             self.fault(e.reason)
             return
-        if isinstance(frame, LinkData):
-            assert msg is not None
-            self._deliver(Message(msg, tuple(bufs)))
-        elif isinstance(frame, LinkCredit):
-            self._peer_read(frame.n)
-        elif isinstance(frame, LinkBeat):
-            self.live.on_heartbeat(Heartbeat(self.peer, frame.i, frame.s), now)
-            self._peer_read(frame.r)
-        elif isinstance(frame, LinkClose):
-            self._shut(frame.reason)
+        self._received(frame, None if msg is None else Message(msg, tuple(bufs)))
 
     def _on_state(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):
             self._shut(f"peer connection {self.pc.connectionState}")
+
+    def _lost(self, silent_s: float) -> None:
+        log.warning("peer_lost", peer=self.peer, silent_s=round(silent_s, 2))
 
     def _on_shut(self) -> None:
         self._room_ev.set()

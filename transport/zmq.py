@@ -44,9 +44,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 import secrets
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,17 +55,16 @@ import structlog
 import zmq
 import zmq.asyncio
 from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings, new_incarnation
-from aurora.transport.channel import FAULT_WINDOW_S, ChannelBase
+from aurora.transport.channel import ChannelBase, loop_now, wait_until
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from aurora.auth.keys import CurveKeys, NodeKeys
 from aurora.errors import ConfigError, ProtocolError, TransportClosed
 from aurora.events import BAD_FRAME, CURVE_CLIENT_REFUSED
 from aurora.logs import Throttle
-from aurora.protocol import Heartbeat, PeerLiveness, PeerLost, PeerRejoined
+from aurora.protocol.link import FAULT_WINDOW_S, FaultBudget, LinkTimings
 from aurora.protocol.messages import (
     MAX_PROBE_BUFFERS,
-    MAX_REASON_CHARS,
     BadMessage,
     LinkBeat,
     LinkClose,
@@ -115,12 +114,19 @@ class LinkConfig:
 
 
 class ZmqChannel(ChannelBase):
-    """One peer's end of a ZeroMQ link (see the module docstring)."""
+    """One peer's end of a ZeroMQ link (see the module docstring): a `ChannelBase` whose frames go
+    through its endpoint's socket."""
 
-    def __init__(self, link: _Endpoint, peer: str, route: bytes | None) -> None:
-        super().__init__(peer, link.cfg.window, link.cfg.max_frame_bytes)
+    def __init__(self, link: _Endpoint, peer: str, route: bytes | None, *, await_peer: bool = False) -> None:
+        cfg = link.cfg
+        super().__init__(peer, cfg.window, cfg.max_frame_bytes,
+                         timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
+                         incarnation=link.incarnation, name=link.node_id, await_peer=await_peer,
+                         seed=next(link.seeds))  # fmt: skip
         self._link = link
         self._route = route  # ROUTER side: the connection's routing id
+        self.rejoined = False
+        """Closed because the peer restarted (its endpoint opens a fresh channel)."""
 
     def _frames(self, first: bytes, rest: tuple[bytes | memoryview, ...]) -> list[Any]:
         frames: list[Any] = [first, *rest]
@@ -136,19 +142,10 @@ class ZmqChannel(ChannelBase):
         # The socket is full or has no live connection: wait, unless the channel closes meanwhile.
         send, _ = await wait_first(self._link.sock.send_multipart(frames, copy=False), self._closed_ev.wait())
         if send.cancelled():
-            raise TransportClosed(f"channel to {self.peer!r} closed while sending ({self._reason})")
+            raise TransportClosed(f"channel to {self.peer!r} closed while sending ({self.close_reason})")
         send.result()
 
-    def _report_read(self, total: int) -> None:
-        self._control(LinkCredit(n=total))
-
-    async def _send_close(self, reason: str) -> None:
-        self._notify_close(reason)
-
-    def _notify_close(self, reason: str) -> None:
-        self._control(LinkClose(reason=reason[:MAX_REASON_CHARS]))
-
-    def _control(self, frame: LinkFrame) -> None:
+    def _send_control(self, frame: LinkCredit | LinkBeat | LinkClose) -> None:
         """Best effort, never blocks: a control frame that cannot go now is dropped (credit
         totals are cumulative and repeat with every heartbeat; a lost close is made moot by
         liveness)."""
@@ -168,20 +165,24 @@ class ZmqChannel(ChannelBase):
 
     # -- called by the endpoint's receive loop, with a decoded link frame
     def _on_frame(self, link: LinkFrame, rest: list[memoryview]) -> None:
-        if isinstance(link, LinkData):
-            if not rest:
-                self.fault("a data frame without its message")
-                return
+        if not isinstance(link, LinkData):
+            self._received(link)
+        elif not rest:
+            self.fault("a data frame without its message")
+        else:
             try:
                 msg = decode_app(rest[0], rest[1:])
             except BadMessage as e:
                 self.fault(e.reason)
                 return
-            self._deliver(Message(msg, tuple(rest[1:])))
-        elif isinstance(link, LinkCredit):
-            self._peer_read(link.n)
-        elif isinstance(link, LinkClose):
-            self._shut(link.reason)
+            self._received(link, Message(msg, tuple(rest[1:])))
+
+    def _lost(self, silent_s: float) -> None:
+        log.warning("peer_lost", node=self._link.node_id, peer=self.peer, silent_s=round(silent_s, 2))
+
+    def _rejoined(self, incarnation: int) -> None:
+        log.info("peer_restarted", node=self._link.node_id, peer=self.peer, incarnation=incarnation)
+        self.rejoined = True
 
     def _on_shut(self) -> None:
         self._link._forget(self)
@@ -195,10 +196,13 @@ class _Endpoint:
     def __init__(self, node_id: str, cfg: LinkConfig, incarnation: int) -> None:
         self.node_id = node_id
         self.cfg = cfg
+        self.incarnation = incarnation
+        self.seeds = itertools.count()
+        """Each channel's heartbeat jitter seed (channels' beats spread apart)."""
         self.ctx = zmq.asyncio.Context()
-        self.live = PeerLiveness(node_id, incarnation=incarnation, interval_s=cfg.heartbeat_s, jitter=0.1,
-                                 suspect_after_s=cfg.suspect_after_s, lost_after_s=cfg.lost_after_s)  # fmt: skip
         self.channels: dict[str, ZmqChannel] = {}
+        self._wake = asyncio.Event()
+        """A channel opened: the heartbeat loop has a new deadline."""
         self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -206,7 +210,7 @@ class _Endpoint:
         """Frames dropped before reaching a channel (malformed, from an unknown or stale connection)."""
         self.banned: dict[str, float] = {}
         """Peers whose heartbeats open no channel until the time given (loop time)."""
-        self._bad: dict[str, deque[float]] = {}
+        self._bad: dict[str, FaultBudget] = {}
 
     def _setup(self, sock: zmq.asyncio.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -217,12 +221,11 @@ class _Endpoint:
     def _forget(self, ch: ZmqChannel) -> None:
         if self.channels.get(ch.peer) is ch:
             del self.channels[ch.peer]
-            self.live.remove_peer(ch.peer)
             if ch.cut_off:
                 self._ban(ch.peer, "its channel was cut off for bad messages")
 
     def _ban(self, peer: str, why: str) -> None:
-        self.banned[peer] = asyncio.get_running_loop().time() + BAN_S
+        self.banned[peer] = loop_now() + BAN_S
         while len(self.banned) > 4096:
             del self.banned[next(iter(self.banned))]
         log.warning("peer_banned", node=self.node_id, peer=peer, ban_s=BAN_S, reason=why)
@@ -240,15 +243,14 @@ class _Endpoint:
         """A frame that reaches no channel: counted, logged at most every few seconds per source; a
         known ``peer`` that keeps sending them is banned."""
         self.dropped += 1
-        now = asyncio.get_running_loop().time()
+        now = loop_now()
         suppressed = _quiet.allow(f"{self.node_id}/{source}", now)
         if suppressed is not None:
             log.warning(BAD_FRAME, node=self.node_id, source=source, reason=reason[:300], suppressed=suppressed)
         if peer is not None:
-            times = self._bad.setdefault(peer, deque(maxlen=BAD_FRAMES_TO_BAN))
-            times.append(now)
-            if len(times) == BAD_FRAMES_TO_BAN and now - times[0] < FAULT_WINDOW_S:
-                times.clear()
+            budget = self._bad.setdefault(peer, FaultBudget(BAD_FRAMES_TO_BAN, FAULT_WINDOW_S))
+            if budget.spend(now):
+                budget.reset()
                 self._ban(peer, f"{BAD_FRAMES_TO_BAN} frames no channel takes within {FAULT_WINDOW_S:g} s")
                 ch = self.channels.get(peer)
                 if ch is not None:
@@ -262,35 +264,20 @@ class _Endpoint:
     def _spawn(self, tg: asyncio.TaskGroup) -> None:
         self._tasks = [tg.create_task(self._recv_loop()), tg.create_task(self._heartbeat_loop())]
 
-    async def _beat(self) -> None:
-        """One liveness round: send due heartbeats, act on events."""
-        self.live.tick(asyncio.get_running_loop().time())
-        for peer, hb in self.live.messages_to_send():
-            ch = self.channels.get(peer)
-            if ch is not None:
-                ch._control(LinkBeat(i=hb.incarnation, s=hb.seq, r=ch._read, n=self.node_id))
-        self._on_events()
+    def _tick(self) -> None:
+        """Time passed: each channel's link sends the heartbeats due and notices a silent peer."""
+        now = loop_now()
+        for ch in list(self.channels.values()):
+            ch._tick(now)
 
-    def _on_events(self, route: bytes | None = None) -> None:
-        """Act on liveness events; ``route``: the connection the frame that caused them came on."""
-        for ev in self.live.events():
-            ch = self.channels.get(ev.peer)
-            if ch is None:
-                continue
-            if isinstance(ev, PeerLost):
-                log.warning("peer_lost", node=self.node_id, peer=ev.peer, silent_s=round(ev.silent_s, 2))
-                ch._shut(f"peer lost: silent for {ev.silent_s:.1f} s")
-            elif isinstance(ev, PeerRejoined):
-                log.info("peer_restarted", node=self.node_id, peer=ev.peer, incarnation=ev.incarnation)
-                new_route = route if route is not None else ch._route
-                ch._shut("peer restarted")
-                self._open(ev.peer, new_route)
-                self.live.add_peer(ev.peer, asyncio.get_running_loop().time())
+    def _next_deadline(self) -> float | None:
+        return min((d for ch in self.channels.values() if (d := ch.link.next_deadline()) is not None), default=None)
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await self._beat()
-            await asyncio.sleep(self.cfg.heartbeat_s / 4)
+            self._wake.clear()
+            self._tick()
+            await wait_until(self._wake, self._next_deadline())
 
     async def _recv_loop(self) -> None:
         raise NotImplementedError
@@ -302,13 +289,9 @@ class _Endpoint:
         ch = self.channels.get(peer)
         if ch is None:  # a new peer, or one back after being lost: a fresh channel
             ch = self._open(peer, route)
-            self.live.add_peer(peer, now)
-        self.live.on_heartbeat(Heartbeat(peer, hb.i, hb.s), now)
-        self._on_events(route)
-        ch = self.channels.get(peer)
-        if ch is not None and ch._route == route:
-            ch._peer_heard()
-            ch._peer_read(hb.r)
+        ch._received(hb)
+        if ch.rejoined:  # it restarted: a fresh channel, which this heartbeat opens
+            self._open(peer, route if route is not None else ch._route)._received(hb)
 
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
         raise NotImplementedError
@@ -362,7 +345,7 @@ class ZmqServer(_Endpoint):
         if not ok:
             if len(self.refused) < 1000:
                 self.refused.append(key)
-            suppressed = _quiet.allow(f"{self.node_id}/zap", asyncio.get_running_loop().time())
+            suppressed = _quiet.allow(f"{self.node_id}/zap", loop_now())
             if suppressed is not None:
                 log.warning(CURVE_CLIENT_REFUSED, server=self.node_id, client_key=key.decode(errors="replace"),
                             suppressed=suppressed)  # fmt: skip
@@ -398,6 +381,7 @@ class ZmqServer(_Endpoint):
         assert route is not None
         self._routes[route] = ch
         self._accepted.put_nowait(ch)
+        self._wake.set()
         log.info("channel_opened", node=self.node_id, peer=peer)
         return ch
 
@@ -409,7 +393,7 @@ class ZmqServer(_Endpoint):
     def _beat_from(self, peer: str, route: bytes | None, hb: LinkBeat, now: float) -> None:
         ch = self.channels.get(peer)
         if ch is not None and ch._route != route:
-            known = self.live.remote_incarnation(peer)
+            known = ch.link.remote_incarnation
             if known is not None and hb.i < known:
                 self._drop(peer, "a heartbeat of an older incarnation from another connection")
                 return
@@ -447,7 +431,7 @@ class ZmqServer(_Endpoint):
             if key_name is None:  # ZAP let it in, so this cannot happen short of a bug
                 self._drop(source, "a frame with no known CurveZMQ key")
                 return
-        now = asyncio.get_running_loop().time()
+        now = loop_now()
         if isinstance(link, LinkBeat):
             claimed = link.n
             if key_name is not None and claimed is not None and claimed != key_name:
@@ -463,7 +447,7 @@ class ZmqServer(_Endpoint):
         if ch is None or (key_name is not None and ch.peer != key_name):
             self._drop(source, "a frame from a connection with no channel (a stale or unknown one)", peer=key_name)
             return
-        self.live.heard(ch.peer, now)
+        ch._heard()
         ch._on_frame(link, [f.buffer for f in frames[1:]])
 
     def _before_term(self) -> None:
@@ -499,16 +483,15 @@ class ZmqClient(_Endpoint):
         self.sock.connect(self.connect_addr)
         ch = self._open(self.server_id, None)
         self._accepted.get_nowait()  # the first channel is returned here, not through accept()
-        self.live.add_peer(self.server_id, asyncio.get_running_loop().time())
-        await self._beat()  # the hello: the server opens our channel on the first heartbeat
+        self._tick()  # the hello: the server opens our channel on the first heartbeat
         self._spawn(tg)
         return ch
 
     def _open(self, peer: str, route: bytes | None) -> ZmqChannel:
-        ch = ZmqChannel(self, peer, None)
-        ch._await_peer()  # send nothing until this server incarnation has been heard
+        ch = ZmqChannel(self, peer, None, await_peer=True)  # nothing goes until this server incarnation is heard
         self.channels[peer] = ch
         self._accepted.put_nowait(ch)
+        self._wake.set()
         return ch
 
     async def _recv_loop(self) -> None:
@@ -525,14 +508,13 @@ class ZmqClient(_Endpoint):
         except BadMessage as e:
             self._drop(self.server_id, e.reason)
             return
-        now = asyncio.get_running_loop().time()
         if isinstance(link, LinkBeat):
-            self._beat_from(self.server_id, None, link, now)
+            self._beat_from(self.server_id, None, link, loop_now())
             return
         ch = self.channels.get(self.server_id)
         if ch is None:
             return  # a stray frame for a channel already closed
-        self.live.heard(self.server_id, now)
+        ch._heard()
         ch._on_frame(link, [f.buffer for f in frames[1:]])
 
 

@@ -10,7 +10,7 @@ ZeroMQ over TCP is; whole-tree tests build node transports from these pairs
 from __future__ import annotations
 
 from aurora.errors import TransportClosed
-from aurora.protocol.messages import BadMessage, decode_app
+from aurora.protocol.messages import BadMessage, LinkBeat, LinkClose, LinkCredit, LinkData, decode_app
 from aurora.transport.base import Message
 from aurora.transport.channel import ChannelBase
 
@@ -40,18 +40,11 @@ class MemoryChannel(ChannelBase):
         except BadMessage as e:
             self.fault(e.reason)
             return
-        self._deliver(Message(msg, buffers))
+        self._received(LinkData(), Message(msg, buffers))
 
-    def _report_read(self, total: int) -> None:
+    def _send_control(self, frame: LinkCredit | LinkBeat | LinkClose) -> None:
         if self.other is not None:
-            self.other._peer_read(total)
-
-    async def _send_close(self, reason: str) -> None:
-        self._notify_close(reason)
-
-    def _notify_close(self, reason: str) -> None:
-        if self.other is not None:
-            self.other._shut(reason)
+            self.other._received(frame)
 
 
 def memory_channel_pair(a: str = "a", b: str = "b", *, window: int = 64,

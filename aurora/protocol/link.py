@@ -1,0 +1,343 @@
+"""`Link`: one channel's link rules as a value — credit, close, heartbeats and faults.
+
+Every transport (`aurora.transport.zmq`, `aurora.transport.webrtc`, the in-memory channel of
+`aurora.testing.memory`) runs one `Link` per channel under a thin driver
+(`aurora.transport.channel.ChannelBase`): the driver moves bytes, decodes them into link frames
+(`aurora.protocol.messages`: ``d`` data, ``c`` credit, ``hb`` heartbeat, ``x`` close), feeds them
+in with ``now``, does what the outputs say and sleeps until `Link.next_deadline()` or its next
+event. Nothing here reads a clock, opens a socket or logs.
+
+Inputs (each returns the outputs, in order): `received` (a link frame from the peer; a data frame
+with its decoded message), `heard` (bytes from the peer that are not a whole frame yet), `fault`
+(the peer sent something malformed or out of place), `read` (the application took one message),
+`try_send` (the application wants to send one), `close` / `abort` / `shut` (local ends), and
+`tick` (time passed). Outputs: commands — `SendFrame` (a control frame: best effort, never
+waited for), `Deliver`, `Writable` (waiting senders may try again) — and events for the driver to
+act on and log — `Faulted`, `PeerLost` (silent too long), `PeerRejoined` (the peer restarted: its
+transport opens a fresh channel) and `Closed` (exactly once per link, with the reason).
+
+States (`LinkState`): ``AWAITING_PEER`` (nothing is sent until the peer's first heartbeat, so
+nothing goes half-sent to an incarnation never heard: a dialling ZeroMQ client) → ``OPEN`` →
+``CLOSING`` (the local side closed: its ``x`` frame is out, the driver lets queued bytes leave)
+→ ``CLOSED``. Any state goes straight to ``CLOSED`` on the peer's close, a lost or restarted
+peer, an overrun window, too many faults, or a local `abort`/`shut`.
+
+Rules and invariants (tests/test_protocol_link.py holds two connected links to them):
+
+* **Credit** is cumulative, so a lost or late report never leaks any: the sender counts messages
+  sent, the receiver the messages the application has read, and reports that total (``c`` every
+  ``max(1, window // 2)`` reads, and ``r`` on every heartbeat). A sender is at most ``window``
+  messages ahead of the total it was told (``0 <= sent - acked <= window``; a report above what
+  was sent counts as what was sent); `try_send` counts a message only while it is so.
+* A receiver holds at most ``window`` delivered, unread messages: a data frame beyond that closes
+  the link (the peer overran the window).
+* **Liveness** (`aurora.protocol.liveness.PeerLiveness`, one peer): a heartbeat goes out every
+  ``heartbeat_s`` (jittered); any frame from the peer shows it alive; a peer silent for
+  ``lost_after_s`` is lost (the link closes, ``peer lost: silent for … s``) and one heard within
+  it never is; a heartbeat of a newer incarnation than the one first heard means the peer
+  restarted (`PeerRejoined`, then the link closes, ``peer restarted``); older ones are stale.
+* **Faults**: `FAULTS_TO_CLOSE` within `FAULT_WINDOW_S` cut the peer off (the link is aborted and
+  `cut_off` set, so its transport may ban the peer a while); fewer are only counted.
+* **Close**: `Closed` is emitted exactly once; after it no input changes anything or sends a frame,
+  and `try_send` raises `TransportClosed`. A local close sends one ``x`` frame with the reason
+  (`close`, `abort`; `shut` sends none); closing twice is closing once.
+* After `tick(now)`, `next_deadline()` is None or later than ``now`` (None once closed, or with
+  no liveness, as on an in-memory link).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from aurora.errors import ProtocolError, TransportClosed
+from aurora.protocol.liveness import DEFAULT_JITTER, Heartbeat, PeerLiveness, PeerLost, PeerRejoined
+from aurora.protocol.messages import MAX_REASON_CHARS, LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
+
+FAULTS_TO_CLOSE = 16
+FAULT_WINDOW_S = 10.0
+"""A peer may send this many bad messages in this many seconds before its channel is closed: a
+slip (one message of a kind this build does not know) is forgiven, a stream of garbage is not."""
+
+M = TypeVar("M")
+
+
+class LinkState(enum.Enum):
+    AWAITING_PEER = "awaiting_peer"
+    """Nothing is sent until the peer's first heartbeat (control frames and heartbeats go)."""
+    OPEN = "open"
+    CLOSING = "closing"
+    """Closed locally, the close frame out: the driver lets queued bytes leave, then `shut`s."""
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTimings:
+    """Heartbeats every ``heartbeat_s`` (± ``jitter``), a peer silent ``lost_after_s`` is lost."""
+
+    heartbeat_s: float
+    suspect_after_s: float
+    lost_after_s: float
+    jitter: float = DEFAULT_JITTER
+
+
+# ---------------------------------------------------------------- outputs
+@dataclass(frozen=True, slots=True)
+class SendFrame:
+    """Put this control frame on the wire, best effort (credit totals repeat on every heartbeat; a
+    lost close is made moot by liveness)."""
+
+    frame: LinkCredit | LinkBeat | LinkClose
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver(Generic[M]):
+    """Hand the application this message (in order)."""
+
+    message: M
+
+
+@dataclass(frozen=True, slots=True)
+class Writable:
+    """The peer was heard or reported reads: senders waiting for credit may try again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Faulted:
+    """The peer sent something bad (``faults`` on this link so far)."""
+
+    reason: str
+    faults: int
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The link is closed (emitted once); ``cut_off``: for too many faults."""
+
+    reason: str
+    cut_off: bool = False
+
+
+Output = SendFrame | Deliver[M] | Writable | Faulted | PeerLost | PeerRejoined | Closed
+
+
+class FaultBudget:
+    """At most ``limit`` faults within ``window_s``: `spend` says whether one went over."""
+
+    def __init__(self, limit: int = FAULTS_TO_CLOSE, window_s: float = FAULT_WINDOW_S) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._times: deque[float] = deque(maxlen=limit)
+
+    def spend(self, now: float) -> bool:
+        """Count one fault at ``now``; True when ``limit`` of them fell within ``window_s``."""
+        self._times.append(now)
+        return len(self._times) == self.limit and now - self._times[0] < self.window_s
+
+    def reset(self) -> None:
+        self._times.clear()
+
+
+class Link(Generic[M]):
+    """One channel's end towards ``peer`` (see the module docstring). ``timings``: heartbeats and
+    loss (None: none, as on an in-memory link); ``incarnation`` and ``name`` go in this end's
+    heartbeats (``n``: a client's hello); ``await_peer``: start in ``AWAITING_PEER``; ``seed``: the
+    heartbeat jitter's."""
+
+    def __init__(self, peer: str, *, window: int, timings: LinkTimings | None = None, now: float = 0.0,
+                 incarnation: int = 0, name: str | None = None, await_peer: bool = False,
+                 seed: int = 0) -> None:  # fmt: skip
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.peer = peer
+        self.window = window
+        self.name = name
+        self.incarnation = incarnation
+        self.state = LinkState.AWAITING_PEER if await_peer else LinkState.OPEN
+        self.reason: str | None = None
+        """Why the link closed (set with ``CLOSED``)."""
+        self.closing: str | None = None
+        """The local close's reason (set with ``CLOSING``)."""
+        self.sent = 0
+        self.acked = 0
+        """The peer's reported read total (never above `sent`)."""
+        self.delivered = 0
+        self.read_total = 0
+        self._reported = 0
+        self.faults = 0
+        self.cut_off = False
+        self._budget = FaultBudget()
+        self._live: PeerLiveness | None = None
+        if timings is not None:
+            self._live = PeerLiveness(name or "", incarnation=incarnation, interval_s=timings.heartbeat_s,
+                                      jitter=timings.jitter, suspect_after_s=timings.suspect_after_s,
+                                      lost_after_s=timings.lost_after_s, seed=seed)  # fmt: skip
+            self._live.add_peer(peer, now)
+
+    # ------------------------------------------------------------ reading the state
+    @property
+    def closed(self) -> bool:
+        return self.state is LinkState.CLOSED
+
+    @property
+    def in_flight(self) -> int:
+        """Messages sent that the peer has not reported read."""
+        return self.sent - self.acked
+
+    @property
+    def unread(self) -> int:
+        """Messages delivered that the application has not read."""
+        return self.delivered - self.read_total
+
+    @property
+    def remote_incarnation(self) -> int | None:
+        """The incarnation the peer's heartbeats announce (None: none heard, or no liveness)."""
+        return None if self._live is None else self._live.remote_incarnation(self.peer)
+
+    def ensure_open(self, direction: str = "to") -> None:
+        """Raise `TransportClosed` (with the reason) unless the link may still carry messages."""
+        if self.state is LinkState.CLOSED:
+            raise TransportClosed(f"channel {direction} {self.peer!r} is closed ({self.reason})")
+        if self.state is LinkState.CLOSING:
+            raise TransportClosed(f"channel {direction} {self.peer!r} is closing ({self.closing})")
+
+    def next_deadline(self) -> float | None:
+        """When `tick` has something to do: the next heartbeat, or the peer's silence turning into
+        suspicion or loss (None: only an input moves this link)."""
+        if self._live is None or self.state is LinkState.CLOSED:
+            return None
+        return self._live.next_deadline()
+
+    # ------------------------------------------------------------ inputs
+    def tick(self, now: float) -> list[Output[M]]:
+        """Time passed: heartbeats due go out; a peer silent for ``lost_after_s`` is lost."""
+        if self._live is None or self.state is LinkState.CLOSED:
+            return []
+        self._live.tick(now)
+        out: list[Output[M]] = [SendFrame(self._beat(hb)) for _, hb in self._live.messages_to_send()]
+        for ev in self._live.events():
+            if isinstance(ev, PeerLost):
+                out += [ev, *self._end(f"peer lost: silent for {ev.silent_s:.1f} s")]
+        return out
+
+    def heard(self, now: float) -> None:
+        """Bytes from the peer (say, a piece of a message not whole yet): it is alive."""
+        if self._live is not None and self.state is not LinkState.CLOSED:
+            self._live.heard(self.peer, now)
+            self._live.events()  # a suspected peer recovered: nothing to do
+
+    def received(self, frame: LinkFrame, now: float, message: M | None = None) -> list[Output[M]]:
+        """A link frame from the peer; ``message``: a data frame's decoded application message."""
+        if self.state is LinkState.CLOSED:
+            return []
+        if isinstance(frame, LinkData):
+            if message is None:
+                raise ProtocolError("a data frame is received with its decoded message", remote=False)
+            self.heard(now)
+            if self.unread >= self.window:
+                return self._end(f"peer {self.peer!r} overran the flow-control window")
+            self.delivered += 1
+            return [Deliver(message)]
+        if isinstance(frame, LinkClose):
+            return self._end(frame.reason)
+        if isinstance(frame, LinkCredit):
+            self.heard(now)
+            return [Writable()] if self._credit(frame.n) else []
+        return self._heartbeat(frame, now)
+
+    def fault(self, reason: str, now: float) -> list[Output[M]]:
+        """The peer sent something malformed or out of place: counted; past the budget, cut off."""
+        self.faults += 1
+        out: list[Output[M]] = [Faulted(reason, self.faults)]
+        if self._budget.spend(now) and self.state is not LinkState.CLOSED:
+            self.cut_off = True
+            why = f"peer {self.peer!r} sent {FAULTS_TO_CLOSE} bad messages within {FAULT_WINDOW_S:g} s (last: {reason[:200]})"
+            out += self.abort(why)
+        return out
+
+    def read(self) -> list[Output[M]]:
+        """The application took one delivered message; every ``window // 2`` reads the total goes back."""
+        self.read_total += 1
+        if self.state is not LinkState.CLOSED and self.read_total - self._reported >= max(1, self.window // 2):
+            self._reported = self.read_total
+            return [SendFrame(LinkCredit(n=self.read_total))]
+        return []
+
+    def try_send(self) -> bool:
+        """The application wants to send one data message: True counts it sent (the driver puts it on
+        the wire now); False: not yet (no credit, or the peer not heard yet) — wait for `Writable`.
+        Raises `TransportClosed` once the link is closing or closed."""
+        self.ensure_open()
+        if self.state is LinkState.AWAITING_PEER or self.in_flight >= self.window:
+            return False
+        self.sent += 1
+        return True
+
+    def close(self, reason: str) -> list[Output[M]]:
+        """Close from this side: the close frame goes out, and the driver `shut`s once queued bytes
+        have left (``CLOSING``). Nothing if already closing or closed."""
+        if self.state in (LinkState.CLOSING, LinkState.CLOSED):
+            return []
+        self.state = LinkState.CLOSING
+        self.closing = reason
+        return [SendFrame(LinkClose(reason=reason[:MAX_REASON_CHARS]))]
+
+    def abort(self, reason: str) -> list[Output[M]]:
+        """Close now, telling the peer (unless a close frame went already)."""
+        if self.state is LinkState.CLOSED:
+            return []
+        return [*self.close(reason), *self._end(reason)]
+
+    def shut(self, reason: str) -> list[Output[M]]:
+        """Closed, without a word to the peer (the connection failed, or a close finished)."""
+        return self._end(reason)
+
+    # ------------------------------------------------------------ helpers
+    def _beat(self, hb: Heartbeat) -> LinkBeat:
+        return LinkBeat(i=hb.incarnation, s=hb.seq, r=self.read_total, n=self.name)
+
+    def _heartbeat(self, beat: LinkBeat, now: float) -> list[Output[M]]:
+        if self._live is not None:
+            self._live.on_heartbeat(Heartbeat(self.peer, beat.i, beat.s), now)
+            self._live.heard(self.peer, now)
+            for ev in self._live.events():
+                if isinstance(ev, PeerRejoined):  # a new incarnation: what was in flight is gone
+                    return [ev, *self._end("peer restarted")]
+        opened = self.state is LinkState.AWAITING_PEER
+        if opened:
+            self.state = LinkState.OPEN
+        credited = self._credit(beat.r)
+        return [Writable()] if opened or credited else []
+
+    def _credit(self, total: int) -> bool:
+        if total > self.acked:
+            self.acked = min(total, self.sent)
+            return True
+        return False
+
+    def _end(self, reason: str) -> list[Output[M]]:
+        if self.state is LinkState.CLOSED:
+            return []
+        self.state = LinkState.CLOSED
+        self.reason = reason
+        return [Closed(reason, self.cut_off)]
+
+
+__all__ = [
+    "FAULTS_TO_CLOSE",
+    "FAULT_WINDOW_S",
+    "Closed",
+    "Deliver",
+    "FaultBudget",
+    "Faulted",
+    "Link",
+    "LinkState",
+    "LinkTimings",
+    "Output",
+    "PeerLost",
+    "PeerRejoined",
+    "SendFrame",
+    "Writable",
+]
