@@ -25,9 +25,12 @@ a `LinkData`, gives the sizes of the header and each buffer). Flag ``MORE`` says
 another piece of the same message follows; flag ``CONTROL`` marks a
 self-contained control frame (credit totals, heartbeats, close), which may sit
 between the pieces of a data message. A message that grows past the channel's
-``max_frame_bytes`` while it is reassembled closes the channel. Flow control is
-`ChannelBase`'s credit window plus aiortc's ``bufferedAmount``: a sender waits
-while more than ``buffered_low_bytes`` sit unsent in the association.
+``max_frame_bytes`` while it is reassembled closes the channel. What the frames
+mean — credit, heartbeats, close, faults — is the channel's link machine
+(`aurora.protocol.link.Link`, as under ZeroMQ); each channel's task ticks it at
+its deadlines. Flow control is the link's credit window plus aiortc's
+``bufferedAmount``: a sender waits while more than ``buffered_low_bytes`` sit
+unsent in the association.
 
 Loopback addresses are skipped by aioice; `aurora.testing.webrtc` patches the
 host address list for in-process tests, and the netns tests use real

@@ -8,7 +8,10 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
   (then the application message's header and its buffers), ``c`` credit, ``hb``
   heartbeat, ``x`` close. Buffers go out with ``copy=False``. Every frame is
   decoded and validated before anything acts on it; what fails is dropped and
-  counted against the peer (`ChannelBase.fault`), never raised.
+  counted against the peer (`ChannelBase.fault`), never raised. What a frame
+  means — credit, heartbeats, close, faults — is each channel's link machine
+  (`aurora.protocol.link.Link`, the same under every transport); the endpoint
+  routes frames to channels and sleeps until their next deadline.
 * identity: every DEALER sets a random 128-bit routing id, so no honest connection
   depends on the ROUTER generating one (libzmq aborts the process when a generated id
   collides with one a client chose), and the generated ids start at a random point (libc's
@@ -20,10 +23,10 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
   the one a peer's channel is on are dropped, unless they are heartbeats of a
   newer incarnation (the peer restarted): then the channel moves to the new
   connection, as a fresh channel.
-* flow control: `ChannelBase`'s cumulative credit window; the read total goes
+* flow control: the link's cumulative credit window; the read total goes
   in ``c`` frames and rides on every heartbeat; a peer that overruns the
   window is cut off.
-* liveness: `PeerLiveness` drives heartbeats both ways; a silent peer closes
+* liveness: each link heartbeats its peer; a silent peer closes
   its channel ("peer lost"); a peer that comes back with a new incarnation
   gets a fresh channel (the old one closes with "peer restarted"), which
   `accept` hands out — on either side, since a restarted server is a new
@@ -189,7 +192,8 @@ class ZmqChannel(ChannelBase):
 
 
 class _Endpoint:
-    """Shared machinery: the socket, the receive and heartbeat loops, liveness."""
+    """Shared machinery: the socket, the receive loop, and the heartbeat loop that ticks every
+    channel's link at the earliest of their deadlines."""
 
     sock: zmq.asyncio.Socket
 

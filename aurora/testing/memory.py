@@ -1,8 +1,9 @@
 """`MemoryChannel`: an in-process `Channel` pair, for tests of what runs over one link.
 
-A `memory_channel_pair` is two connected channels with the real channels' flow control
-(`aurora.transport.channel.ChannelBase`: a window of unread messages, credit, close, fault
-counting); every message is encoded and decoded as on a real link. Ordered and lossless, as
+A `memory_channel_pair` is two connected channels with the real channels' link machine
+(`aurora.transport.channel.ChannelBase` over `aurora.protocol.link.Link`: a window of unread
+messages, credit, close, fault counting; no heartbeats: nothing is lost in process); every
+message is encoded and decoded as on a real link, control frames are handed over as values. Ordered and lossless, as
 ZeroMQ over TCP is; whole-tree tests build node transports from these pairs
 (`aurora.testing.links`), and a lost link is a closed channel there, as heartbeats report it.
 """
