@@ -268,20 +268,23 @@ class _Endpoint:
     def _spawn(self, tg: asyncio.TaskGroup) -> None:
         self._tasks = [tg.create_task(self._recv_loop()), tg.create_task(self._heartbeat_loop())]
 
-    def _tick(self) -> None:
-        """Time passed: each channel's link sends the heartbeats due and notices a silent peer."""
-        now = loop_now()
+    def _tick(self) -> float | None:
+        """Tick the links whose deadline has come (heartbeats due go out, a silent peer is lost);
+        returns the earliest deadline left."""
+        now, earliest = loop_now(), None
         for ch in list(self.channels.values()):
-            ch._tick(now)
-
-    def _next_deadline(self) -> float | None:
-        return min((d for ch in self.channels.values() if (d := ch.link.next_deadline()) is not None), default=None)
+            due = ch.link.next_deadline()
+            if due is not None and due <= now:
+                ch._tick(now)
+                due = ch.link.next_deadline()
+            if due is not None and (earliest is None or due < earliest):
+                earliest = due
+        return earliest
 
     async def _heartbeat_loop(self) -> None:
         while True:
             self._wake.clear()
-            self._tick()
-            await wait_until(self._wake, self._next_deadline())
+            await wait_until(self._wake, self._tick())
 
     async def _recv_loop(self) -> None:
         raise NotImplementedError
