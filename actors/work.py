@@ -174,7 +174,8 @@ class Worker(Actor):
     """A rollout worker: asks for prompts, generates with its engine, sends results up.
 
     Between batches it switches the engine to the node's newest committed version.
-    The engine, lease holder and stats live outside the actor and survive restarts;
+    The engine, lease holder and stats live outside the actor and survive restarts, but
+    a restarted worker gives up the leases it held (their prompts went with the crash);
     the lease renewals run in the actor's own task group (their failure is its crash)."""
 
     mailbox_size = 256
@@ -215,6 +216,10 @@ class Worker(Actor):
                 log.info("result_rejected", item=m.item, reason=m.reason)
 
     async def main(self) -> None:
+        # a restart: the leases held were for prompts the crashed run had (and may crash on again);
+        # renewing them would keep them from everyone for good, so the coordinator gets them back
+        for lease in self.holder.drop_all():
+            log.info(LEASE_GIVEN_UP, item=lease.item, token=lease.token.hex()[:8], reason="the worker restarted")
         with unwrap_group():
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._renew())

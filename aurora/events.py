@@ -66,7 +66,8 @@ LEASES_GRANTED = "leases_granted"
 RESULT_SENT = "result_sent"
 """A rollout sent a result (debug): ``item``, ``token``."""
 LEASE_GIVEN_UP = "lease_given_up"
-"""A rollout gave up a lease it could not renew in time: ``item``, ``token``."""
+"""A rollout gave up a lease — one it could not renew in time, or held when its worker restarted (then
+with ``reason``): ``item``, ``token``."""
 LEASE_EXPIRED = "lease_expired"
 """The trainer let a lease expire: ``worker``, ``item``, ``token``."""
 
