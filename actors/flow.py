@@ -81,6 +81,7 @@ from aurora.protocol.routing import (
     VersionRouter,
     choose_catch_up,
 )
+from aurora.runtime.clock import Clock, LoopClock
 from aurora.runtime.groups import cancel_and_wait, wait_first
 from aurora.store import DeltaStore
 from aurora.store.anchors import Keep
@@ -139,7 +140,7 @@ class _Incoming:
     hash_s: float = 0.0
     """Seconds spent hashing the chunks as they came (part of what verifying the seal costs)."""
     began: float = 0.0
-    """When the manifest came (`time.monotonic`): a bulk transfer is timed from it to the last chunk."""
+    """When the manifest came (on the flow's clock): a bulk transfer is timed from it to the last chunk."""
     decoding: asyncio.Task[None] | None = None
     """Decoding the chunks that came, against the weights held, while more arrive (`_decode_ahead`)."""
 
@@ -149,8 +150,11 @@ class VersionFlow:
                  keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False,
                  store: DeltaStore | None = None, sealer: Sealer | None = None,
                  verifier: SealVerifier | None = None, seal: SealWire | None = None,
-                 threads: int = 1, coding: CodingPolicy | None = None) -> None:  # fmt: skip
+                 threads: int = 1, coding: CodingPolicy | None = None, clock: Clock | None = None) -> None:  # fmt: skip
         self.name = name
+        self.clock: Clock = clock or LoopClock()
+        """The node's clock: a bulk transfer from the parent is timed on it (the link's rate is time on
+        the network, virtual under a virtual clock); what the codec's work took is a stopwatch reading."""
         self.coding = coding or CodingPolicy("conditioned", 0.0)
         """The trainer: how each tensor's changed positions are coded (`aurora.actors.coding`)."""
         self.threads = max(1, threads)
@@ -255,7 +259,7 @@ class VersionFlow:
         its seal. With a store, the version is stored before the seal leaves."""
         if self.weights is None or self.version is None:
             raise ProtocolError("publish needs a current version to diff against", remote=False)
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         target = self.version + 1
         base = None if self.full_weights else self.weights
         stats = EncodeStats()
@@ -275,9 +279,9 @@ class VersionFlow:
         try:
             while i < n:
                 # encoded here in short slices, yielding between them so heartbeats keep flowing
-                t = time.monotonic()
+                t = time.perf_counter()
                 batch = _encode_slice(chunks, n - i)
-                encode_s += time.monotonic() - t
+                encode_s += time.perf_counter() - t
                 for c in batch:
                     stored.chunks[i] = c
                     hasher.add(i, c)
@@ -285,22 +289,22 @@ class VersionFlow:
                     i += 1
                 self._dispatch(self.router.commands())
                 await asyncio.sleep(0)
-            t = time.monotonic()
+            t = time.perf_counter()
             state, hashes = (await hashing) if hashing is not None else (None, {})
-            wait_s = time.monotonic() - t
+            wait_s = time.perf_counter() - t
         finally:
             if hashing is not None and not hashing.done():
                 await cancel_and_wait(hashing)  # the thread runs on, unheard
             if isinstance(chunks, Generator):
                 chunks.close()  # a cancelled publish leaves no chunk jobs running
-        t = time.monotonic()
+        t = time.perf_counter()
         wire = self.sealer.seal(v=target, base=None if m.is_snapshot else self.version, digest=m.target_digest,
                                 layout=weights_layout(new), state=state, delta=hasher.digest())  # fmt: skip
-        seal_s = time.monotonic() - t
+        seal_s = time.perf_counter() - t
         if self.store is not None:
-            t = time.monotonic()
+            t = time.perf_counter()
             await self._store(m, stored.chunks, new, wire, in_place=False)
-            store_s = time.monotonic() - t
+            store_s = time.perf_counter() - t
         stored.seal = wire
         self.router.chunk_arrived(target, n)  # the seal goes out last
         async with self.weights_lock:
@@ -312,7 +316,7 @@ class VersionFlow:
         if base is not None:
             self.coding.observe(m, stats)
         nbytes = len(packed) + sum(len(c) for c in stored.chunks if c is not None)
-        publish_s = time.monotonic() - t0
+        publish_s = time.perf_counter() - t0
         self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None,
                                "seal_s": round(seal_s + wait_s, 6)}  # fmt: skip
         log.info(VERSION_PUBLISHED, node=self.name, version=target, chunks=n, bytes=nbytes,
@@ -422,7 +426,7 @@ class VersionFlow:
         # the next version (a delta, or a snapshot of the full-weight baseline) is forwarded chunk by chunk
         streamed = self.version is not None and m.target_version == self.version + 1 and sealed is None
         self._incoming = _Incoming(m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed,
-                                   began=time.monotonic())  # fmt: skip
+                                   began=self.clock.now())  # fmt: skip
         if streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
             self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks + 1))
@@ -432,9 +436,9 @@ class VersionFlow:
         if inc is None or inc.manifest.target_version != target or not 0 <= i < inc.manifest.n_chunks:
             raise ProtocolError(f"{self.name}: chunk {i} of version {target} was not announced", remote=True)
         inc.receiver.add(data)  # verified here; a bad chunk raises and nothing changes
-        t = time.monotonic()
+        t = time.perf_counter()
         inc.hasher.add(i, data)
-        inc.hash_s += time.monotonic() - t
+        inc.hash_s += time.perf_counter() - t
         if inc.streamed:
             stored = self.history[target]
             stored.chunks[i] = data
@@ -452,7 +456,7 @@ class VersionFlow:
         """A bulk transfer just ended: the parent link's rate, if it was big enough to time."""
         if inc.streamed or inc.receiver.bytes_received < LINK_SAMPLE_BYTES:
             return
-        dt = time.monotonic() - inc.began
+        dt = self.clock.now() - inc.began
         if dt > 0:
             self.link_mbit = inc.receiver.bytes_received * 8 / dt / 1e6
 
@@ -491,7 +495,7 @@ class VersionFlow:
                 raise AuthError(f"{self.name}: version {target} came without a seal")
             return await self._commit(inc, None, False, False, 0.0)
         seal, wire = inc.seal
-        t = time.monotonic()
+        t = time.perf_counter()
         trusted_bytes = seal.delta is not None and seal.delta == inc.hasher.digest()
         t -= inc.hash_s  # the chunks' hashing counts too
         if inc.streamed and not trusted_bytes:  # what streams is the trainer's own bytes, or nothing
@@ -502,7 +506,7 @@ class VersionFlow:
         check_state = self.verifier.authenticates and not trusted_bytes
         if not check_state and self.verifier.authenticates and not m.is_snapshot and self.seal is None:
             raise AuthError(f"{self.name}: holds version {self.version} unsealed; a delta onto it proves nothing")
-        verify_s = time.monotonic() - t
+        verify_s = time.perf_counter() - t
         if inc.streamed:  # checked: the seal follows the chunks down the tree at once
             self.history[target].seal = wire
             self.router.chunk_arrived(target, m.n_chunks)
@@ -523,7 +527,7 @@ class VersionFlow:
         touched: frozenset[str] | None = None
         if inc.decoding is not None:
             await inc.decoding  # its last pass ends before the commit stages: never both at once
-        t = time.monotonic()
+        t = time.perf_counter()
         async with self.weights_lock:
             if m.is_snapshot or self.weights is None:
                 self.weights, cancelled = await _to_the_end(asyncio.to_thread(_commit_snapshot, inc, check,
@@ -536,7 +540,7 @@ class VersionFlow:
         if cancelled:
             raise asyncio.CancelledError
         if check_state:
-            verify_s += time.monotonic() - t
+            verify_s += time.perf_counter() - t
         self.last_verify_s = verify_s
         self._changed(target, touched)
         if self.store is not None:

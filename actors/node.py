@@ -56,7 +56,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -128,7 +127,7 @@ from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import Learner, make_learner
 from aurora.rl.tasks import make_task
-from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor, cancel_and_wait, unwrap_group
+from aurora.runtime import Actor, ActorRef, ChildSpec, Clock, LoopClock, Supervisor, cancel_and_wait, unwrap_group
 from aurora.store import DeltaStore
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
@@ -138,8 +137,6 @@ log = structlog.get_logger("aurora.node")
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 30.0
-_now = time.monotonic
-"""The clock of the node's membership (`aurora.protocol.membership` takes its ``now`` from here)."""
 
 
 class NodeTransport(Transport, Protocol):
@@ -155,14 +152,18 @@ class NodeTransport(Transport, Protocol):
 async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
                    store: Path | None = None, transport: NodeTransport | None = None,
                    observe: Callable[[Node], None] | None = None, insecure: bool = False,
-                   threads: int | None = None) -> None:  # fmt: skip
+                   threads: int | None = None, clock: Clock | None = None) -> None:  # fmt: skip
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
     ``store``: the node's version store (resume from its latest usable version); None keeps none.
     ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
     ``observe``: called with the `Node` once it is built (tests read its state).
     ``insecure``: run without keys although some node listens beyond loopback.
-    ``threads``: cores the codec uses per version (None: `default_threads`)."""
+    ``threads``: cores the codec uses per version (None: `default_threads`).
+    ``clock``: what every timer and deadline of the node reads — its actors, supervisor, flow and
+    transports (default: real time; a test's `aurora.runtime.VirtualClock` runs the node in
+    virtual time; a ``transport`` given brings its own, which should be the same)."""
+    clock = clock or LoopClock()
     try:
         spec = topo.node(name)
     except KeyError:
@@ -180,7 +181,8 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
     if not keys.secure:
         log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")
-    node = Node(name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads))
+    node = Node(name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads),
+                clock=clock)  # fmt: skip
     await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
@@ -188,14 +190,14 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
         await node.open_store(store)
         if spec.role == "rollout" and topo.engine is not None:
             node.engine = await asyncio.to_thread(make_engine, topo.engine)
-    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys)
+    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys, clock=clock)
     if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
-        node.rtc = _rtc(topo, name, file)
+        node.rtc = _rtc(topo, name, file, clock)
     if observe is not None:
         observe(node)
     parent = tree.parent[name]
     specs = _actor_specs(node, zt, tree, cfg.lost_after_s)
-    sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2)
+    sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2, clock=clock)
     node.sup = sup
     with unwrap_group():  # one error (a crash loop, a bind failure): raised as itself
         async with asyncio.TaskGroup() as tg:
@@ -242,7 +244,7 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
     if node.engine is not None:
         engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
         specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
-                                                              holder, stats)))  # fmt: skip
+                                                              holder, stats, node.wait_attached)))  # fmt: skip
     return specs
 
 
@@ -255,8 +257,10 @@ class Node:
     """State that outlives the node's actors (see the module docstring)."""
 
     def __init__(self, name: str, topo: Topology, tree: Tree, file: str | None, keys: NodeKeys | None = None,
-                 threads: int = 1) -> None:  # fmt: skip
+                 threads: int = 1, clock: Clock | None = None) -> None:  # fmt: skip
         self.name = name
+        self.clock: Clock = clock or LoopClock()
+        """The node's clock (its actors' too): status times and the flow's link timing read it."""
         self.threads = threads
         """Cores the codec may use for each version (encode on the trainer, decode and apply elsewhere)."""
         self.topo = topo
@@ -270,11 +274,11 @@ class Node:
         """Where this node sits (its path; None while detached) and the parents it holds in quarantine."""
         self.children: dict[str, Channel] = {}
         """The attached children's channels."""
-        self.parent: Channel | None = None
-        """The channel to the parent while attached."""
+        self._parent: Channel | None = None
+        self._parent_moved = asyncio.Event()
         self.verifier = SealVerifier(self.keys.verifier)
         self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights, verifier=self.verifier,
-                                threads=threads)  # fmt: skip
+                                threads=threads, clock=self.clock)  # fmt: skip
         self.routes = Routes()
         self.pool: WorkPool | None = None
         self.board = WorkBoard()
@@ -287,6 +291,22 @@ class Node:
         self.sup: Supervisor | None = None
         self.rtc: WebRtcTransport | None = None
         """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
+
+    @property
+    def parent(self) -> Channel | None:
+        """The channel to the parent while attached."""
+        return self._parent
+
+    @parent.setter
+    def parent(self, ch: Channel | None) -> None:
+        self._parent = ch
+        self._parent_moved.set()
+
+    async def wait_attached(self) -> None:
+        """Until this node has an open channel to a parent (at once if it has). Cancellation-safe."""
+        while self._parent is None or self._parent.closed:  # a closed one is replaced (None, then the next)
+            self._parent_moved.clear()
+            await self._parent_moved.wait()
 
     async def open_trainer(self, store: Path | None) -> None:
         """The learner, version 0 (or the store's latest), and the work pool on the task's prompts."""
@@ -313,7 +333,8 @@ class Node:
             log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
                                 store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads,
-                                coding=CodingPolicy.of(self.topo, self.tree, self.status.slowest_link))  # fmt: skip
+                                coding=CodingPolicy.of(self.topo, self.tree, self.status.slowest_link),
+                                clock=self.clock)  # fmt: skip
         seal = await asyncio.to_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
             await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)
@@ -340,10 +361,10 @@ class Node:
             log.info(NODE_RESUMED, version=v, store=str(store), digest=weights.digest().hex()[:16])
             self.flow = VersionFlow(self.name, weights, v, full_weights=self.topo.sync.full_weights,
                                     store=self.store, verifier=self.verifier, seal=seal,
-                                    threads=self.threads)  # fmt: skip
+                                    threads=self.threads, clock=self.clock)  # fmt: skip
             return
         self.flow = VersionFlow(self.name, None, None, full_weights=self.topo.sync.full_weights, store=self.store,
-                                verifier=self.verifier, threads=self.threads)  # fmt: skip
+                                verifier=self.verifier, threads=self.threads, clock=self.clock)  # fmt: skip
 
     def _resume_from(self, v: int) -> tuple[Weights, Any]:
         """Version ``v`` from the store, checked against its seal (state hash: O(weights), once)."""
@@ -382,15 +403,15 @@ class Node:
     def on_status_message(self, m: Held | Status) -> None:
         """Trainer: a `Held` notice or a `Status` report from a node below."""
         if isinstance(m, Held):
-            dt = self.status.on_held(m.n, m.v)
+            dt = self.status.on_held(m.n, m.v, self.clock.now())
             if dt is not None:
                 log.info(VERSION_SYNCED, version=m.v, sync_s=round(dt, 4))
         else:
-            self.status.on_report(m.n, m.r)
+            self.status.on_report(m.n, m.r, self.clock.now())
 
     def snapshot(self) -> StatusSnapshot:
         assert self.pool is not None
-        return StatusSnapshot(snap=self.status.snapshot(self.flow.version, self.pool.stats()))
+        return StatusSnapshot(snap=self.status.snapshot(self.flow.version, self.pool.stats(), self.clock.now()))
 
     async def up(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
         return await send_or_drop(self.parent, msg, buffers)
@@ -437,7 +458,7 @@ class _Publisher(Actor):
                 if learner.batch_size:
                     batch = await node.board.take(pool, learner.batch_size, learned)
                 else:
-                    await asyncio.sleep(learner.interval_s)
+                    await self.clock.sleep(learner.interval_s)
                     batch = []
                 try:
                     new = await asyncio.to_thread(learner.step, batch)
@@ -453,12 +474,13 @@ class _Publisher(Actor):
     async def _publish(self, new: Weights, results: int, stats: dict[str, Any]) -> None:
         node, pool = self.node, self.node.pool
         assert pool is not None
-        node.status.on_published((node.flow.version or 0) + 1, time.monotonic())
+        node.status.on_published((node.flow.version or 0) + 1, self.clock.now())
         if node.topo.sync.deliver:
             v = await node.flow.publish(new)  # stored before its seal leaves
         else:
             v = await node.flow.adopt(new)
         board = node.board
+        board.room.set()  # a new version: work for it may be leased now
         checks = {"validate_us": round(1e6 * board.validate_s / board.results, 2) if board.results else None}
         node.status.step = {"version": v, **stats, **node.flow.last_published}
         log.info(STEP, version=v, results=results, **stats, **pool.stats(), **checks)
@@ -473,7 +495,7 @@ class _Reporter(Actor):
     async def main(self) -> None:
         while True:
             await self.node.up(Status(n=self.node.name, r=self.node.report()), ())
-            await asyncio.sleep(STATUS_EVERY_S)
+            await self.clock.sleep(STATUS_EVERY_S)
 
 
 class _Children(Actor):
@@ -603,7 +625,8 @@ class _Left(Exception):
 class _Uplink(Actor):
     """Keeps this node attached to the first parent in its order that accepts it: the driver of a
     `membership.Uplink`. It sleeps until the machine's next deadline, dials the parent it names, feeds
-    it what that parent says and does, carries out its commands and logs its events."""
+    it what that parent says and does, carries out its commands and logs its events. Its time is the
+    actor's clock (the node's): the machine's ``now`` and every wait."""
 
     def __init__(self, node: Node, zt: NodeTransport, order: Sequence[str], lost_after_s: float) -> None:
         self.node = node
@@ -612,9 +635,9 @@ class _Uplink(Actor):
         self.lost_after_s = lost_after_s
 
     async def main(self) -> None:
-        up = membership.Uplink(self.node.place, self.order, self.lost_after_s, _now())
+        up = membership.Uplink(self.node.place, self.order, self.lost_after_s, self.clock.now())
         while True:
-            for out in up.tick(await _until(up.next_deadline())):
+            for out in up.tick(await self.clock.sleep_until(up.next_deadline())):
                 assert isinstance(out, membership.Dial), out  # detached, the machine only dials
                 await self._with(up, out.parent)
 
@@ -634,7 +657,7 @@ class _Uplink(Actor):
                         ch = await self.zt.connect(parent, addr)
                 except TransportClosed as e:
                     with contextlib.suppress(_Left):
-                        await self._do(up, None, up.unreachable(str(e), _now()))
+                        await self._do(up, None, up.unreachable(str(e), self.clock.now()))
                 else:
                     try:
                         await self._serve(up, ch)
@@ -654,20 +677,20 @@ class _Uplink(Actor):
         """Say hello on ``ch`` and follow the parent's stream; what ends it is fed to the machine, which
         leaves the parent (`_Left`)."""
         node = self.node
-        outs = up.dialed(_now())
+        outs = up.dialed(self.clock.now())
         try:
-            async with asyncio.timeout(_after(up.next_deadline())):
+            async with self.clock.timeout_at(up.next_deadline()):
                 await self._do(up, ch, outs)  # the hello: sent once the parent is heard
                 answer = (await ch.recv()).msg
-            await self._do(up, ch, up.answered(answer, _now()))
+            await self._do(up, ch, up.answered(answer, self.clock.now()))
             node.parent = ch
             await self._follow(up, ch)
         except _Left:
             raise
         except (TransportClosed, TimeoutError) as e:
-            outs = up.lost(str(e) or "no answer", _now())
+            outs = up.lost(str(e) or "no answer", self.clock.now())
         except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
-            outs = up.failed(repr(e)[:500], type(e).__name__, _now())
+            outs = up.failed(repr(e)[:500], type(e).__name__, self.clock.now())
         finally:
             node.parent = None
         await self._do(up, ch, outs)
@@ -685,7 +708,7 @@ class _Uplink(Actor):
 
     async def _timers(self, up: membership.Uplink, ch: Channel) -> None:
         while True:
-            await self._do(up, ch, up.tick(await _until(up.next_deadline())))
+            await self._do(up, ch, up.tick(await self.clock.sleep_until(up.next_deadline())))
 
     async def _do(self, up: membership.Uplink, ch: Channel | None, outs: list[membership.Output]) -> None:
         """Carry out the machine's commands and log its events, in order (`membership.Leave` raises `_Left`)."""
@@ -698,7 +721,7 @@ class _Uplink(Actor):
                 await node.tell_children(out.update)
             elif isinstance(out, membership.Probe):
                 answer = await _probe(node, self.zt, out.parent, out.timeout_s)
-                await self._do(up, ch, up.probed(answer, _now()))
+                await self._do(up, ch, up.probed(answer, self.clock.now()))
             elif isinstance(out, membership.Leave):
                 raise _Left(out)
             elif isinstance(out, membership.Dial):
@@ -715,7 +738,7 @@ class _Uplink(Actor):
             msg = await ch.recv()
             m = msg.msg
             if isinstance(m, PathUpdate):
-                await self._do(up, ch, up.path_moved(m.path, _now()))
+                await self._do(up, ch, up.path_moved(m.path, self.clock.now()))
             elif isinstance(m, DOWN):
                 if worker is not None and m.w == node.name:
                     await tell_or_drop(worker, msg)
@@ -732,22 +755,6 @@ class _Uplink(Actor):
                 ch.fault("signalling on a version stream")
             else:
                 ch.fault(f"a {type(m).__name__} from the parent")
-
-
-async def _until(deadline: float | None) -> float:
-    """Sleep until ``deadline`` on the node's clock (None: until cancelled); returns the time then,
-    never before ``deadline``."""
-    if deadline is None:
-        await asyncio.Event().wait()  # nothing is due: only an event (the caller's cancellation) ends this
-    assert deadline is not None
-    while (now := _now()) < deadline:  # noqa: ASYNC110  (a timer may fire a clock tick early: sleep the rest)
-        await asyncio.sleep(deadline - now)
-    return now
-
-
-def _after(deadline: float | None) -> float | None:
-    """Seconds from now until ``deadline`` (None: no deadline), for `asyncio.timeout`."""
-    return None if deadline is None else max(0.0, deadline - _now())
 
 
 def _log_membership(node: Node, e: membership.Event) -> None:
@@ -773,7 +780,7 @@ async def _probe(node: Node, zt: NodeTransport, parent: str, timeout_s: float) -
     try:
         ch = await zt.connect(parent, addr)
         try:
-            async with asyncio.timeout(timeout_s):
+            async with node.clock.timeout(timeout_s):
                 await ch.send(Hello(v=node.flow.version, probe=True))
                 return (await ch.recv()).msg
         finally:
@@ -782,7 +789,7 @@ async def _probe(node: Node, zt: NodeTransport, parent: str, timeout_s: float) -
         return None
 
 
-def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
+def _rtc(topo: Topology, name: str, file: str | None, clock: Clock) -> WebRtcTransport:
     try:
         from aurora.transport.webrtc import IceServer, RtcConfig, WebRtcTransport
     except ImportError as e:
@@ -799,7 +806,7 @@ def _rtc(topo: Topology, name: str, file: str | None) -> WebRtcTransport:
         ice = tuple(IceServer(s.urls, s.username, s.credential) for s in spec.transport.ice_servers)
     cfg = RtcConfig(ice_servers=ice, heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s,
                     lost_after_s=hb.lost_after_s)  # fmt: skip
-    return WebRtcTransport(name, cfg, accepting=spec.listen is not None)
+    return WebRtcTransport(name, cfg, accepting=spec.listen is not None, clock=clock)
 
 
 async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str, addr: str,

@@ -14,13 +14,16 @@ the trainer like a child would, but its hello is `StatusQuery`, and it gets one
 `StatusSnapshot` before the trainer closes the channel. With keys, the client
 authenticates with the ``operator`` key of the topology's key directory (or
 another node's key).
+
+`ClusterStatus` is a value: every call that needs the time takes ``now`` (the trainer's clock,
+`aurora.runtime.Clock`), and it reads none itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,7 @@ from aurora.transport.zmq import LinkConfig, ZmqTransport
 from aurora.config.topology import Topology
 from aurora.errors import AuroraError, TransportClosed
 from aurora.protocol.messages import NodeReport, Snapshot, StatusQuery, StatusSnapshot, TrainerStats
+from aurora.runtime.clock import Clock, LoopClock
 from aurora.runtime.groups import unwrap_group
 
 STATUS_EVERY_S = 1.0
@@ -51,29 +55,32 @@ class ClusterStatus:
     """The learner's last step (reward, accuracy, ...) and its delta's size."""
 
     def on_published(self, version: int, started: float) -> None:
+        """Version ``version`` began publication at ``started`` (its sync time counts from then)."""
         self.published[version] = started
         self.held[version] = set()
         while len(self.published) > KEEP_VERSIONS:
             v, _ = self.published.popitem(last=False)
             self.held.pop(v, None)
 
-    def on_held(self, node: str, version: int, now: float | None = None) -> float | None:
-        """Record a commit notice; returns the version's sync time once the last node holds it."""
+    def on_held(self, node: str, version: int, now: float) -> float | None:
+        """Record a commit notice that came at ``now``; returns the version's sync time once the last
+        node holds it."""
         got = self.held.get(version)
         if got is None or version in self.sync_s or node not in self.nodes:
             return None
         got.add(node)
         if not set(self.nodes) <= got:
             return None
-        dt = (time.monotonic() if now is None else now) - self.published[version]
+        dt = now - self.published[version]
         self.sync_s[version] = dt
         while len(self.sync_s) > KEEP_VERSIONS:
             self.sync_s.popitem(last=False)
         return dt
 
-    def on_report(self, node: str, report: NodeReport) -> None:
+    def on_report(self, node: str, report: NodeReport, now: float) -> None:
+        """``node``'s status report, come at ``now``."""
         if node in self.nodes:
-            self.reports[node] = (report, time.monotonic())
+            self.reports[node] = (report, now)
 
     def slowest_link(self) -> tuple[float, str] | None:
         """The lowest rate any node reported receiving a bulk transfer at, and that node (None: no
@@ -82,8 +89,8 @@ class ClusterStatus:
         got = [(r.link_mbit, n) for n, (r, _) in self.reports.items() if r.link_mbit is not None]
         return min(got) if got else None
 
-    def snapshot(self, version: int | None, pool: dict[str, Any]) -> Snapshot:
-        now = time.monotonic()
+    def snapshot(self, version: int | None, pool: dict[str, Any], now: float) -> Snapshot:
+        """What a status client is sent at ``now`` (each report's age counts to it)."""
         nodes = {n: msgspec.structs.replace(r, age_s=round(now - at, 1)) for n, (r, at) in self.reports.items()}
         step = {k: v for k, v in self.step.items() if v is None or isinstance(v, bool | int | float | str)}
         return Snapshot(trainer=TrainerStats(version=version, **pool), nodes=nodes,
@@ -127,11 +134,13 @@ def render(snap: Snapshot) -> str:
 
 
 async def fetch_status(topo: Topology, timeout_s: float = 5.0, *, file: str | None = None,
-                       as_node: str | None = None) -> Snapshot:  # fmt: skip
-    """Ask the trainer of ``topo`` for the gathered status over the control channel.
+                       as_node: str | None = None, clock: Clock | None = None) -> Snapshot:  # fmt: skip
+    """Ask the trainer of ``topo`` for the gathered status over the control channel (``timeout_s`` on
+    ``clock``, default real time).
 
     With keys in the topology the client authenticates with the key pair named ``as_node``
     (default: the key directory's ``operator`` key, else the trainer's own)."""
+    clock = clock or LoopClock()
     from aurora.auth.keys import load_client_keys
 
     t = topo.trainer
@@ -140,12 +149,12 @@ async def fetch_status(topo: Topology, timeout_s: float = 5.0, *, file: str | No
     hb = topo.heartbeat
     cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s)
     keys, me = load_client_keys(topo, file, as_node)
-    zt = ZmqTransport(me or f"status-{os.getpid()}-{time.monotonic_ns()}", cfg=cfg, keys=keys)
+    zt = ZmqTransport(me or f"status-{os.getpid()}-{secrets.token_hex(4)}", cfg=cfg, keys=keys, clock=clock)
     with unwrap_group():
         async with asyncio.TaskGroup() as tg:
             zt.start_in(tg)
             try:
-                async with asyncio.timeout(timeout_s):
+                async with clock.timeout(timeout_s):
                     ch = await zt.connect(t.name, t.listen)
                     await ch.send(StatusQuery())
                     answer = (await ch.recv()).msg

@@ -10,18 +10,27 @@ ttl_s, prompt token ids]}, `Renewed`, `Verdict` {w, item, ok, reason}.
 The rules — leasing, staleness, parking, what a result must be — are the pure
 `aurora.protocol.workpool.WorkPool`; `Coordinator` feeds it messages and the
 time, sends what it answers, and logs; `WorkBoard` wakes the learner when
-results come in and the coordinator when a batch was taken. Who sent a work
-message is checked one hop up from the worker: a rollout speaks only for itself
+results come in and the coordinator when leasing room may have opened. Who sent a
+work message is checked one hop up from the worker: a rollout speaks only for itself
 (`aurora.actors.node`).
 
 The worker (`Worker`) switches its engine to the newest committed version only
 between batches (`Engine.apply` with the tensors changed since its version), so
 every completion is labelled with the weights that produced it.
+
+Time: both read it from their actor's clock (`Actor.clock`) and never poll. The coordinator
+sleeps until `WorkPool.next_deadline()` (a lease expires, a parked want lapses) or until room may
+have opened (`WorkBoard.room`); the worker's renewals sleep until `LeaseHolder.next_deadline()`
+(a renewal due, a lease given up) or a grant; a worker with no version waits for the first commit,
+one that is not attached for its node to attach (`attached`), and one whose want went unanswered
+asks again after `want_retry_s` (the pool drops a want its worker stopped repeating after half a
+TTL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,7 +75,8 @@ class WorkBoard:
     more: asyncio.Event = field(default_factory=asyncio.Event)
     """A result was accepted."""
     room: asyncio.Event = field(default_factory=asyncio.Event)
-    """A batch was taken (leasing room may have opened)."""
+    """Leasing room may have opened for a parked want: a batch was taken, a version published, a
+    result handled (the coordinator clears it when it wakes)."""
     validate_s: float = 0.0
     """Seconds the coordinator spent checking results (the result rules and the lease)."""
     results: int = 0
@@ -79,15 +89,6 @@ class WorkBoard:
             await self.more.wait()
         self.room.set()
         return batch
-
-    async def wait_room(self, timeout_s: float) -> None:
-        """Until a batch was taken or ``timeout_s`` passed."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.room.wait()
-        except TimeoutError:
-            pass
-        self.room.clear()
 
 
 class Coordinator(Actor):
@@ -104,18 +105,19 @@ class Coordinator(Actor):
         self.down = down
 
     async def main(self) -> None:
-        while True:  # expire leases on time even when no message comes; answer parked wants
-            now = time.monotonic()
+        """Expire leases at their instant even when no message comes; answer parked wants when room
+        may have opened. Sleeps until the pool's next deadline or `WorkBoard.room`, nothing else."""
+        while True:
+            now = self.clock.now()
             for e in self.pool.expire(now):
                 log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
             for w, granted in self.pool.unpark(now, self.flow.version or 0).items():
                 await self.down(self.pool.grant_message(w, granted), ())
-            due = self.pool.next_deadline()
-            wait = 1.0 if due is None else min(1.0, max(0.01, due - now))
-            await self.board.wait_room(wait)
+            await self.clock.wait_until(self.board.room, self.pool.next_deadline())
+            self.board.room.clear()
 
     async def receive(self, msg: Message) -> None:
-        m, now = msg.msg, time.monotonic()
+        m, now = msg.msg, self.clock.now()
         if not isinstance(m, Want | Renew | Result):
             return
         t = time.perf_counter()
@@ -123,6 +125,7 @@ class Coordinator(Actor):
         if isinstance(m, Result):
             self.board.validate_s += time.perf_counter() - t
             self.board.results += 1
+            self.board.room.set()  # its lease ended: room for a parked want, maybe
         if isinstance(answer.outcome, Accepted):
             self.board.more.set()
         elif isinstance(answer.outcome, Rejected) and isinstance(m, Result):
@@ -176,12 +179,13 @@ class Worker(Actor):
     Between batches it switches the engine to the node's newest committed version.
     The engine, lease holder and stats live outside the actor and survive restarts, but
     a restarted worker gives up the leases it held (their prompts went with the crash);
-    the lease renewals run in the actor's own task group (their failure is its crash)."""
+    the lease renewals run in the actor's own task group (their failure is its crash).
+    ``attached``: waits until the node has a parent to send to (at once if it has)."""
 
     mailbox_size = 256
 
     def __init__(self, name: str, engine: Engine, flow: VersionFlow, up: Send, leases: LeaseSpec,
-                 holder: LeaseHolder, stats: WorkerStats) -> None:  # fmt: skip
+                 holder: LeaseHolder, stats: WorkerStats, attached: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
         self.name = name
         self.engine = engine
         self.flow = flow
@@ -189,16 +193,26 @@ class Worker(Actor):
         self.leases = leases
         self.holder = holder
         self.stats = stats
+        self.attached = attached
         self.prompts: dict[int, Prompt] = {}
         self.group_size = 1
         """Samples per prompt, as the coordinator's last grant asked."""
         self.granted = asyncio.Event()
+        self._leases_moved = asyncio.Event()
+        """Leases were granted or renewed: the holder's next deadline may be sooner (`_renew` wakes)."""
+
+    @property
+    def want_retry_s(self) -> float:
+        """How long a want waits for its grant before the worker asks again: well within the half TTL
+        (at least 2 s) after which the pool drops a parked want whose worker stopped asking."""
+        return max(1.0, self.leases.ttl_s / 4)
 
     async def receive(self, msg: Message) -> None:
-        m, now = msg.msg, time.monotonic()
+        m, now = msg.msg, self.clock.now()
         if isinstance(m, Grant):
             got = [Lease(g.item, self.name, g.token, now, now + g.ttl_s) for g in m.leases]
             self.holder.on_granted(got, now)
+            self._leases_moved.set()
             self.group_size = m.n
             for g in m.leases:
                 self.prompts[g.item] = Prompt(g.item, "", tokens=tuple(g.tokens))
@@ -208,6 +222,7 @@ class Worker(Actor):
             self.granted.set()
         elif isinstance(m, Renewed):
             self.holder.on_renewed([Lease(x.item, self.name, x.token, now, now + x.ttl_s) for x in m.leases], now)
+            self._leases_moved.set()
         elif isinstance(m, Verdict):
             if m.ok:
                 self.stats.accepted += 1
@@ -227,9 +242,12 @@ class Worker(Actor):
                     await self._batch()
 
     async def _renew(self) -> None:
+        """Renew each lease when the holder says it is due, give up the ones that ran out: sleeps until
+        `LeaseHolder.next_deadline()`, or until a grant or renewal moves it."""
         while True:
-            await asyncio.sleep(self.leases.ttl_s / 8)
-            now = time.monotonic()
+            await self.clock.wait_until(self._leases_moved, self.holder.next_deadline())
+            self._leases_moved.clear()
+            now = self.clock.now()
             self.holder.tick(now)
             for ev in self.holder.events():
                 self.prompts.pop(cast(int, ev.lease.item), None)
@@ -239,8 +257,9 @@ class Worker(Actor):
                 await self.up(Renew(w=self.name, tokens=tokens[i : i + 256]), ())
 
     async def _batch(self) -> None:
-        if self.flow.version is None:
-            await asyncio.sleep(0.1)  # nothing to serve until the first version arrives
+        if self.flow.version is None:  # nothing to serve until the first version arrives
+            self.flow.committed.clear()
+            await self.flow.committed.wait()
             return
         await self._switch()
         held = [self.prompts[i] for i in self.holder.items if i in self.prompts]
@@ -250,10 +269,11 @@ class Worker(Actor):
             want = Want(w=self.name, n=max(1, min(256, self.leases.prompts_per_lease)), v=self.engine.version)
             if await self.up(want, ()):
                 # a grant, or a new version (switch, then ask again with it: work may wait for it)
-                await wait_first(self.granted.wait(), self.flow.committed.wait(),
-                                 timeout_s=max(1.0, self.leases.ttl_s / 4))  # fmt: skip
+                with contextlib.suppress(TimeoutError):
+                    async with self.clock.timeout(self.want_retry_s):
+                        await wait_first(self.granted.wait(), self.flow.committed.wait())
             else:
-                await asyncio.sleep(0.1)  # not attached: wait for the uplink
+                await self.attached()  # not attached: until the uplink is
             return
         version = self.engine.version
         assert version is not None

@@ -267,14 +267,14 @@ def test_the_coding_choice_takes_the_operators_link_then_the_slowest_measured_th
     status = ClusterStatus(["relay", "rollout-0", "rollout-1"])
     policy = CodingPolicy("auto", 100.0, measured=status.slowest_link)
     assert policy.link() == (100.0, "declared (planned tree)")
-    status.on_report("rollout-0", NodeReport(version=1))  # not timed anything yet
+    status.on_report("rollout-0", NodeReport(version=1), 0.0)  # not timed anything yet
     assert policy.link()[1] == "declared (planned tree)"
-    status.on_report("rollout-0", NodeReport(version=1, link_mbit=2000.0))
-    status.on_report("relay", NodeReport(version=1, link_mbit=0.001))
-    status.on_report("stranger", NodeReport(version=1, link_mbit=1e-6))  # not in the topology: not heard
+    status.on_report("rollout-0", NodeReport(version=1, link_mbit=2000.0), 0.0)
+    status.on_report("relay", NodeReport(version=1, link_mbit=0.001), 0.0)
+    status.on_report("stranger", NodeReport(version=1, link_mbit=1e-6), 0.0)  # not in the topology: not heard
     assert policy.link() == (0.001, "measured by relay")
     assert policy.codings(["w"]) == {"w": Coding.CONDITIONED}  # a crawl of a link: bytes win
-    status.on_report("relay", NodeReport(version=2, link_mbit=1e6))
+    status.on_report("relay", NodeReport(version=2, link_mbit=1e6), 0.0)
     assert policy.link() == (2000.0, "measured by rollout-0")
     fixed = CodingPolicy("auto", 100.0, override_mbit=0.5, measured=status.slowest_link)
     assert fixed.link() == (0.5, "sync.link_mbit")

@@ -101,9 +101,9 @@ def test_store_metadata_that_points_outside_the_store_is_refused_and_prune_delet
 def test_status_is_kept_only_for_the_topologys_nodes() -> None:
     st_ = ClusterStatus(["relay", "rollout"])
     for i in range(40):
-        st_.on_report(f"stranger-{i}", wire.NodeReport(version=1))
-    st_.on_report("rollout", wire.NodeReport(version=3))
-    st_.on_report("rollout", wire.NodeReport(version=4))
+        st_.on_report(f"stranger-{i}", wire.NodeReport(version=1), 1.0)
+    st_.on_report("rollout", wire.NodeReport(version=3), 1.0)
+    st_.on_report("rollout", wire.NodeReport(version=4), 2.0)
     assert list(st_.reports) == ["rollout"]
     assert st_.reports["rollout"][0].version == 4
     # a report carrying anything beyond its schema never decodes
@@ -113,10 +113,17 @@ def test_status_is_kept_only_for_the_topologys_nodes() -> None:
     for bad in (float("nan"), float("-inf"), -1.0, 0.0, 1e300):
         with pytest.raises(wire.BadMessage):
             wire.decode_app(msgpack.packb({"k": "status", "n": "rollout", "r": {"version": 1, "link_mbit": bad}}))
-    st_.on_report("relay", wire.NodeReport(version=4, link_mbit=95.5))
+    st_.on_report("relay", wire.NodeReport(version=4, link_mbit=95.5), 9.0)
     assert st_.slowest_link() == (95.5, "relay")
     pool = {"accepted": 0, "rejected": {}, "in_flight": 0, "pending": 0, "dropped_stale": 0, "parked": 0}
-    assert "link 96 Mbit/s" in render(st_.snapshot(4, pool))
+    snap = st_.snapshot(4, pool, 10.0)  # a value: the time is the caller's
+    assert "link 96 Mbit/s" in render(snap)
+    assert (snap.nodes["rollout"].age_s, snap.nodes["relay"].age_s) == (8.0, 1.0)
+    assert "(silent 8 s)" in render(snap)
+    st_.on_published(5, 20.0)
+    assert st_.on_held("relay", 5, 20.5) is None
+    assert st_.on_held("rollout", 5, 21.25) == 1.25  # the last node: publication to its notice
+    assert st_.sync_s[5] == 1.25
 
 
 async def test_a_corrupt_newest_stored_version_resumes_from_the_newest_intact_one(tmp_path: Path) -> None:

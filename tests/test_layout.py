@@ -33,8 +33,13 @@ a root but another root.
 
 Besides the table: no two modules import each other, directly or round a cycle; the codec and the
 protocol import nothing that does I/O, and importing the protocol loads neither torch nor
-asyncio (``aurora.rl.types`` stays pure data); and a log event that other code reads is named
-through its constant in ``aurora.events``, never as a string.
+asyncio (``aurora.rl.types`` stays pure data); a log event that other code reads is named
+through its constant in ``aurora.events``, never as a string; and the drivers (``actors/``,
+``transport/``) read time and wait for it only through `aurora.runtime.Clock`, so a virtual clock
+drives a whole node: no ``time.monotonic``/``time.time``/``loop.time()``, no ``asyncio.sleep`` but
+the zero-second yield, no ``asyncio.timeout``/``wait_for``/``wait(timeout=)``, no loop timers.
+``time.perf_counter`` is the stopwatch (how long work took: logs, statistics, the encoder's CPU
+slice), which `aurora.runtime.clock`'s docstring allows; `ALLOWED_TIME` lists the other exceptions.
 """
 
 from __future__ import annotations
@@ -180,6 +185,73 @@ def test_the_rl_data_contract_is_pure_data() -> None:
                        capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [], f"importing aurora.protocol loads {r.stdout.split()}"
+
+
+DRIVERS = [ROOT / "actors", ROOT / "transport"]
+SCHEDULING = {
+    "time": {"monotonic", "monotonic_ns", "time", "time_ns", "sleep", "clock_gettime", "clock_gettime_ns"},
+    "asyncio": {"sleep", "timeout", "timeout_at", "wait_for"},
+}
+"""Calls that read time or wait for it behind the clock's back (``asyncio.sleep(0)``, a yield, is fine)."""
+ALLOWED_TIME = {
+    ("transport/base.py", "time.time_ns"): "an incarnation must grow across restarts of a process: wall-clock time",
+}
+
+
+def _time_reads(path: Path) -> list[tuple[int, str]]:
+    """Where ``path`` reads time or waits for it other than through a `Clock`: (line, what), in order.
+    A forbidden function counts wherever it is named (``_now = time.monotonic`` too), not only called."""
+    tree = ast.parse(path.read_text(), str(path))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    yields = {id(c.func) for c in calls if ast.unparse(c.func) == "asyncio.sleep" and
+              [ast.unparse(a) for a in c.args] == ["0"]}  # fmt: skip
+    out: list[tuple[int, int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in SCHEDULING and node.level == 0:
+            out += [(node.lineno, node.col_offset, f"from {node.module} import {a.name}") for a in node.names
+                    if a.name in SCHEDULING[node.module]]  # fmt: skip
+        elif isinstance(node, ast.Attribute) and id(node) not in yields:
+            recv = ast.unparse(node.value)
+            if recv in SCHEDULING and node.attr in SCHEDULING[recv]:
+                out.append((node.lineno, node.col_offset, f"{recv}.{node.attr}"))
+    for c in calls:
+        name = ast.unparse(c.func)
+        recv, _, attr = name.rpartition(".")
+        timed = [k.arg for k in c.keywords if k.arg in ("timeout", "timeout_s")]
+        if attr == "time" and recv not in ("", "time") and not c.args:
+            out.append((c.lineno, c.col_offset, f"{name}()"))  # an event loop's clock
+        elif attr in ("call_later", "call_at") and "clock" not in recv:
+            out.append((c.lineno, c.col_offset, name))  # a loop timer
+        elif name in ("asyncio.wait", "wait_first") and timed:
+            out.append((c.lineno, c.col_offset, f"{name}({timed[0]}=...)"))
+    return [(line, what) for line, _, what in sorted(out)]
+
+
+def test_drivers_read_time_only_through_the_clock() -> None:
+    bad = []
+    for folder in DRIVERS:
+        for f in sorted(folder.rglob("*.py")):
+            rel = str(f.relative_to(ROOT))
+            for line, what in _time_reads(f):
+                if (rel, what) not in ALLOWED_TIME:
+                    bad.append(f"{rel}:{line}: {what}")
+    assert not bad, "time read or waited for behind aurora.runtime.Clock (tests/test_layout.py):\n" + "\n".join(bad)
+
+
+def test_the_time_check_finds_what_it_forbids(tmp_path: Path) -> None:
+    f = tmp_path / "driver.py"
+    f.write_text("import asyncio, time\nfrom time import monotonic\n"
+                 "async def f(loop, ev):\n"
+                 "    t0 = time.perf_counter()\n    await asyncio.sleep(0)\n    await asyncio.sleep(0.1)\n"
+                 "    now = time.monotonic() + loop.time() + asyncio.get_running_loop().time()\n"
+                 "    async with asyncio.timeout(1):\n        await ev.wait()\n"
+                 "    await asyncio.wait([ev.wait()], timeout=1)\n    await wait_first(ev.wait(), timeout_s=1)\n"
+                 "    loop.call_later(1, print)\n    self.clock.call_later(1, print)\n_now = time.monotonic\n")  # fmt: skip
+    assert [what for _, what in _time_reads(f)] == [
+        "from time import monotonic", "asyncio.sleep", "time.monotonic", "loop.time()",
+        "asyncio.get_running_loop().time()", "asyncio.timeout", "asyncio.wait(timeout=...)",
+        "wait_first(timeout_s=...)", "loop.call_later", "time.monotonic",
+    ]  # fmt: skip
 
 
 EVENTS = {v: k for k, v in vars(aurora.events).items() if k.isupper()}

@@ -44,15 +44,18 @@ from aurora.protocol.bulk import (
     frame_digests,
     from_ranges,
 )
+from aurora.runtime.clock import Clock, LoopClock
 
 log = structlog.get_logger("aurora.transport.bulk")
 
 
 async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *, transfer_id: str | None = None,
                     frame_bytes: int = DEFAULT_FRAME_BYTES, answer_timeout_s: float = 60.0,
-                    stall_s: float = 60.0) -> str:  # fmt: skip
+                    stall_s: float = 60.0, clock: Clock | None = None) -> str:  # fmt: skip
     """Deliver ``payload`` (see the module docstring); returns the transfer id. Not
-    cancellation-safe for the channels: a cancelled transfer may leave them mid-message."""
+    cancellation-safe for the channels: a cancelled transfer may leave them mid-message. The
+    timeouts run on ``clock`` (default: the event loop's)."""
+    clock = clock or LoopClock()
     view = memoryview(payload).cast("B")
     digests = frame_digests(view, frame_bytes)  # the only pass over the bytes on this side
     offer = BulkOffer(transfer_id or secrets.token_hex(8), view.nbytes, frame_bytes, digest_of_frames(digests))
@@ -65,14 +68,14 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
         ctl = live[0]
         offer_msg = wire.BulkOffer(id=offer.id, size=offer.size, frame_bytes=offer.frame_bytes, digest=offer.digest,
                                    round=rnd, streams=len(live))  # fmt: skip
-        reply = await _exchange(ctl, offer.id, answer_timeout_s, offer_msg)
+        reply = await _exchange(ctl, offer.id, answer_timeout_s, clock, offer_msg)
         if reply is not None and not isinstance(reply, wire.BulkDone):
             want = from_ranges(reply.missing if isinstance(reply, wire.BulkWant) else [], offer.frames)
-            survivors = await _stripe(live, view, offer, digests, want, rnd, stall_s)
+            survivors = await _stripe(live, view, offer, digests, want, rnd, stall_s, clock)
             if len(survivors) < len(live):  # the receiver waits for every stream's end: start over
                 live = survivors
                 continue
-            reply = await _exchange(ctl, offer.id, answer_timeout_s)
+            reply = await _exchange(ctl, offer.id, answer_timeout_s, clock)
         if reply is None:
             live.remove(ctl)
         elif isinstance(reply, wire.BulkDone):
@@ -82,18 +85,19 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
 _Reply = wire.BulkWant | wire.BulkDone | wire.BulkIncomplete
 
 
-async def _exchange(ctl: Channel, tid: str, timeout_s: float, msg: wire.BulkOffer | None = None) -> _Reply | None:
+async def _exchange(ctl: Channel, tid: str, timeout_s: float, clock: Clock,
+                    msg: wire.BulkOffer | None = None) -> _Reply | None:  # fmt: skip
     """Send ``msg`` (if any) and wait for the receiver's answer; None if ``ctl`` failed or fell silent."""
     try:
         if msg is not None:
             await ctl.send(msg)
-        return await _reply(ctl, tid, timeout_s)
+        return await _reply(ctl, tid, timeout_s, clock)
     except (TransportClosed, TimeoutError):
         return None
 
 
-async def _reply(ctl: Channel, tid: str, timeout_s: float) -> _Reply:
-    async with asyncio.timeout(timeout_s):
+async def _reply(ctl: Channel, tid: str, timeout_s: float, clock: Clock) -> _Reply:
+    async with clock.timeout(timeout_s):
         while True:
             m = (await ctl.recv()).msg
             if isinstance(m, wire.BulkWant | wire.BulkDone | wire.BulkIncomplete) and m.id == tid:
@@ -101,7 +105,7 @@ async def _reply(ctl: Channel, tid: str, timeout_s: float) -> _Reply:
 
 
 async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, digests: list[int], want: list[int],
-                  rnd: int, stall_s: float) -> list[Channel]:  # fmt: skip
+                  rnd: int, stall_s: float, clock: Clock) -> list[Channel]:  # fmt: skip
     """Send the wanted frames over every live stream; returns the streams still usable."""
     queue = list(reversed(want))
     dead: list[Channel] = []
@@ -113,7 +117,7 @@ async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, diges
                 start, end = offer.span(i)
                 frame = view[start:end]
                 try:
-                    async with asyncio.timeout(stall_s):
+                    async with clock.timeout(stall_s):
                         await ch.send(wire.BulkFrame(id=offer.id, i=i, d=digests[i]), frame)
                 except (TransportClosed, TimeoutError):
                     queue.append(i)  # another stream takes it

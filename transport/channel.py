@@ -4,15 +4,17 @@ The rules — cumulative credit, the close states, heartbeats and loss, fault co
 sans-IO machine, `aurora.protocol.link.Link` (its docstring states them). This class holds what
 is asynchronous: the inbox the application reads, the events senders and closers wait on, and
 the execution of the machine's outputs (control frames out, messages delivered, waiters woken,
-logs). It reads the transports' clock through `loop_now` only.
+logs). It reads time through its `Clock` only (`aurora.runtime.clock`: the event loop's by default,
+a virtual one in tests), as every transport does.
 
 A transport subclass supplies `_transmit` (put one data message on the wire: its encoded header
 and buffers), `_send_control` (one control frame: best effort, never blocks) and, if a close must
 wait for queued bytes, `_flush_close`; its receive path decodes what arrives
 (`aurora.protocol.messages`) and calls `_received` with each link frame (a data frame with its
 `Message`), `_heard` for bytes that are not a whole frame yet, and `fault` for what does not
-decode. A transport with heartbeats passes `LinkTimings` and calls `_tick` when the link's
-`next_deadline()` comes (`wait_until` sleeps until then or an event).
+decode. A transport with heartbeats passes `LinkTimings` and ticks the link when its
+`next_deadline()` comes: `run_link` for a channel of its own (it sleeps until the deadline or the
+close), or `_tick` from a loop that serves several (the ZeroMQ endpoint).
 
 Faults: a peer's malformed or out-of-place messages are counted and logged (at most a line per
 peer every few seconds, with the count); `FAULTS_TO_CLOSE` within `FAULT_WINDOW_S` close the
@@ -23,7 +25,6 @@ clean slate).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable
 
 import structlog
@@ -47,33 +48,24 @@ from aurora.protocol.link import (
 )
 from aurora.protocol.liveness import PeerLost, PeerRejoined
 from aurora.protocol.messages import AppMessage, LinkBeat, LinkClose, LinkCredit, LinkFrame, encode_app
+from aurora.runtime.clock import Clock, LoopClock
 
 log = structlog.get_logger("aurora.transport")
 
 _quiet = Throttle(every_s=5.0)
 
 
-def loop_now() -> float:
-    """The transports' clock: the running event loop's (the one place transport/ reads time)."""
-    return asyncio.get_running_loop().time()
-
-
-async def wait_until(event: asyncio.Event, deadline: float | None) -> None:
-    """Until ``event`` is set or `loop_now` reaches ``deadline`` (None: no deadline)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout_at(deadline):
-            await event.wait()
-
-
 class ChannelBase:
     def __init__(self, peer: str, window: int, max_frame_bytes: int, *, timings: LinkTimings | None = None,
                  incarnation: int = 0, name: str | None = None, await_peer: bool = False,
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0, clock: Clock | None = None) -> None:  # fmt: skip
         self.peer = peer
         self.window = window
         self.max_frame_bytes = max_frame_bytes
+        self.clock: Clock = clock or LoopClock()
+        """What the channel's link reads ``now`` from and its timers wait on."""
         self.link: Link[Message] = Link(peer, window=window, timings=timings,
-                                        now=loop_now() if timings is not None else 0.0,
+                                        now=self.clock.now() if timings is not None else 0.0,
                                         incarnation=incarnation, name=name, await_peer=await_peer, seed=seed)  # fmt: skip
         self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self._writable = asyncio.Event()
@@ -137,7 +129,7 @@ class ChannelBase:
 
     def fault(self, reason: str) -> None:
         """See the module docstring: count, log (throttled), and close the channel past the limit."""
-        self._do(self.link.fault(reason, loop_now()))
+        self._do(self.link.fault(reason, self.clock.now()))
 
     async def wait_closed(self) -> None:
         await self._closed_ev.wait()
@@ -146,12 +138,21 @@ class ChannelBase:
         """Close now, telling the peer if that can be done without waiting."""
         self._do(self.link.abort(reason))
 
+    async def run_link(self) -> None:
+        """The link's timer, for a transport that runs one per channel: tick the link at each of its
+        deadlines (heartbeats out, a silent peer lost) until the channel closes; returns then. Wakes
+        only at a deadline or the close (a frame that moves a deadline later is met by a tick that
+        finds nothing due yet)."""
+        while not self.closed:
+            self._tick(self.clock.now())
+            await self.clock.wait_until(self._closed_ev, self.link.next_deadline())
+
     # -- for the transport's receive path and timer
     def _received(self, frame: LinkFrame, message: Message | None = None) -> None:
-        self._do(self.link.received(frame, loop_now(), message))
+        self._do(self.link.received(frame, self.clock.now(), message))
 
     def _heard(self) -> None:
-        self.link.heard(loop_now())
+        self.link.heard(self.clock.now())
 
     def _tick(self, now: float) -> None:
         self._do(self.link.tick(now))
@@ -170,7 +171,7 @@ class ChannelBase:
             elif isinstance(out, Writable):
                 self._writable.set()
             elif isinstance(out, Faulted):
-                suppressed = _quiet.allow(self.peer, loop_now())
+                suppressed = _quiet.allow(self.peer, self.clock.now())
                 if suppressed is not None:
                     log.warning(BAD_MESSAGE, peer=self.peer, reason=out.reason[:300], suppressed=suppressed,
                                 faults=out.faults)  # fmt: skip
@@ -206,4 +207,4 @@ class ChannelBase:
         """Hook: the channel has just closed (any cause)."""
 
 
-__all__ = ["FAULTS_TO_CLOSE", "FAULT_WINDOW_S", "ChannelBase", "LinkTimings", "loop_now", "wait_until"]
+__all__ = ["FAULTS_TO_CLOSE", "FAULT_WINDOW_S", "ChannelBase", "LinkTimings"]

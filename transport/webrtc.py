@@ -67,7 +67,7 @@ from aurora.transport.base import (
     check_timings,
     new_incarnation,
 )
-from aurora.transport.channel import ChannelBase, loop_now, wait_until
+from aurora.transport.channel import ChannelBase
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.events import WEBRTC_ACCEPTED, WEBRTC_FINGERPRINT_MISMATCH
@@ -89,6 +89,7 @@ from aurora.protocol.messages import (
     decode_link,
     encode_link,
 )
+from aurora.runtime.clock import Clock, LoopClock
 
 log = structlog.get_logger("aurora.transport.webrtc")
 
@@ -251,10 +252,11 @@ class WebRtcChannel(ChannelBase):
     """One data channel on its own peer connection (see the module docstring): a `ChannelBase`
     whose frames travel as pieces."""
 
-    def __init__(self, node_id: str, peer: str, pc: RTCPeerConnection, dc: RTCDataChannel, cfg: RtcConfig) -> None:
+    def __init__(self, node_id: str, peer: str, pc: RTCPeerConnection, dc: RTCDataChannel, cfg: RtcConfig,
+                 clock: Clock | None = None) -> None:  # fmt: skip
         super().__init__(peer, cfg.window, cfg.max_frame_bytes,
                          timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
-                         incarnation=new_incarnation())  # fmt: skip
+                         incarnation=new_incarnation(), clock=clock)  # fmt: skip
         self.pc = pc
         self.dc = dc
         self.cfg = cfg
@@ -274,9 +276,7 @@ class WebRtcChannel(ChannelBase):
 
     async def _run(self) -> None:
         try:
-            while not self.closed:
-                self._tick(loop_now())
-                await wait_until(self._closed_ev, self.link.next_deadline())
+            await self.run_link()
         finally:
             await self.pc.close()
 
@@ -312,9 +312,7 @@ class WebRtcChannel(ChannelBase):
         if self.dc.bufferedAmount > 0:  # let the queued bytes and the close message leave first
             self._room_ev.clear()
             self.dc.bufferedAmountLowThreshold = 0
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.cfg.close_grace_s):
-                    await self._room_ev.wait()
+            await self.clock.wait_until(self._room_ev, self.clock.now() + self.cfg.close_grace_s)
 
     # -- receiving (aiortc callbacks)
     def _on_piece(self, piece: bytes | str) -> None:
@@ -369,11 +367,14 @@ class _Pending:
 
 
 class WebRtcTransport:
-    """Dials peers and answers offers; channels come out of `connect` and `accept`."""
+    """Dials peers and answers offers; channels come out of `connect` and `accept`. ``clock``: what
+    its channels' links and its connect timeouts read time from (the node's)."""
 
-    def __init__(self, node_id: str, cfg: RtcConfig | None = None, *, accepting: bool = True) -> None:
+    def __init__(self, node_id: str, cfg: RtcConfig | None = None, *, accepting: bool = True,
+                 clock: Clock | None = None) -> None:  # fmt: skip
         self.node_id = node_id
         self.cfg = cfg or RtcConfig()
+        self.clock: Clock = clock or LoopClock()
         self._tg: asyncio.TaskGroup | None = None
         self._accepted: asyncio.Queue[WebRtcChannel] = asyncio.Queue()
         self._pending: dict[str, _Pending] = {}
@@ -420,7 +421,7 @@ class WebRtcTransport:
         pending = _Pending(peer, pc, dc)
         self._pending[cid] = pending
         try:
-            async with asyncio.timeout(self.cfg.connect_timeout_s):
+            async with self.clock.timeout(self.cfg.connect_timeout_s):
                 await pc.setLocalDescription(await pc.createOffer())  # gathers every candidate
                 sdp = pc.localDescription.sdp
                 await via.send(RtcOffer(to=peer, sender=self.node_id, id=cid, sdp=sdp,
@@ -443,7 +444,7 @@ class WebRtcTransport:
             raise
         finally:
             del self._pending[cid]
-        ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg)
+        ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg, self.clock)
         ch.start_in(self._tg)
         log.info("webrtc_connected", node=self.node_id, peer=peer, id=cid)
         return ch
@@ -533,7 +534,7 @@ class WebRtcTransport:
         got: asyncio.Future[RTCDataChannel] = asyncio.get_running_loop().create_future()
         pc.on("datachannel", lambda dc: _settle(got, dc))
         try:
-            async with asyncio.timeout(self.cfg.connect_timeout_s):
+            async with self.clock.timeout(self.cfg.connect_timeout_s):
                 await _describe(pc, offer.sdp, "offer", peer)
                 await pc.setLocalDescription(await pc.createAnswer())
                 sdp = pc.localDescription.sdp
@@ -544,7 +545,7 @@ class WebRtcTransport:
         except BaseException:
             await pc.close()
             raise
-        ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg)
+        ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg, self.clock)
         self._open[peer] = self._open.get(peer, 0) + 1
         ch.on_close(lambda: self._closed_one(peer))
         assert self._tg is not None

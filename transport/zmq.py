@@ -58,7 +58,7 @@ import structlog
 import zmq
 import zmq.asyncio
 from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings, new_incarnation
-from aurora.transport.channel import ChannelBase, loop_now, wait_until
+from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from aurora.auth.keys import CurveKeys, NodeKeys
@@ -78,6 +78,7 @@ from aurora.protocol.messages import (
     decode_link,
     encode_link,
 )
+from aurora.runtime.clock import Clock, LoopClock
 from aurora.runtime.groups import wait_first
 
 log = structlog.get_logger("aurora.transport.zmq")
@@ -125,7 +126,7 @@ class ZmqChannel(ChannelBase):
         super().__init__(peer, cfg.window, cfg.max_frame_bytes,
                          timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
                          incarnation=link.incarnation, name=link.node_id, await_peer=await_peer,
-                         seed=next(link.seeds))  # fmt: skip
+                         seed=next(link.seeds), clock=link.clock)  # fmt: skip
         self._link = link
         self._route = route  # ROUTER side: the connection's routing id
         self.rejoined = False
@@ -197,10 +198,12 @@ class _Endpoint:
 
     sock: zmq.asyncio.Socket
 
-    def __init__(self, node_id: str, cfg: LinkConfig, incarnation: int) -> None:
+    def __init__(self, node_id: str, cfg: LinkConfig, incarnation: int, clock: Clock | None = None) -> None:
         self.node_id = node_id
         self.cfg = cfg
         self.incarnation = incarnation
+        self.clock: Clock = clock or LoopClock()
+        """What the endpoint and its channels read time from and wait on."""
         self.seeds = itertools.count()
         """Each channel's heartbeat jitter seed (channels' beats spread apart)."""
         self.ctx = zmq.asyncio.Context()
@@ -213,7 +216,7 @@ class _Endpoint:
         self.dropped = 0
         """Frames dropped before reaching a channel (malformed, from an unknown or stale connection)."""
         self.banned: dict[str, float] = {}
-        """Peers whose heartbeats open no channel until the time given (loop time)."""
+        """Peers whose heartbeats open no channel until the time given (on `clock`)."""
         self._bad: dict[str, FaultBudget] = {}
 
     def _setup(self, sock: zmq.asyncio.Socket) -> None:
@@ -229,7 +232,7 @@ class _Endpoint:
                 self._ban(ch.peer, "its channel was cut off for bad messages")
 
     def _ban(self, peer: str, why: str) -> None:
-        self.banned[peer] = loop_now() + BAN_S
+        self.banned[peer] = self.clock.now() + BAN_S
         while len(self.banned) > 4096:
             del self.banned[next(iter(self.banned))]
         log.warning("peer_banned", node=self.node_id, peer=peer, ban_s=BAN_S, reason=why)
@@ -247,7 +250,7 @@ class _Endpoint:
         """A frame that reaches no channel: counted, logged at most every few seconds per source; a
         known ``peer`` that keeps sending them is banned."""
         self.dropped += 1
-        now = loop_now()
+        now = self.clock.now()
         suppressed = _quiet.allow(f"{self.node_id}/{source}", now)
         if suppressed is not None:
             log.warning(BAD_FRAME, node=self.node_id, source=source, reason=reason[:300], suppressed=suppressed)
@@ -271,7 +274,7 @@ class _Endpoint:
     def _tick(self) -> float | None:
         """Tick the links whose deadline has come (heartbeats due go out, a silent peer is lost);
         returns the earliest deadline left."""
-        now, earliest = loop_now(), None
+        now, earliest = self.clock.now(), None
         for ch in list(self.channels.values()):
             due = ch.link.next_deadline()
             if due is not None and due <= now:
@@ -284,7 +287,7 @@ class _Endpoint:
     async def _heartbeat_loop(self) -> None:
         while True:
             self._wake.clear()
-            await wait_until(self._wake, self._tick())
+            await self.clock.wait_until(self._wake, self._tick())
 
     async def _recv_loop(self) -> None:
         raise NotImplementedError
@@ -333,8 +336,9 @@ class ZmqServer(_Endpoint):
     the node name it belongs to; a key not in it is refused by ZAP."""
 
     def __init__(self, node_id: str, bind: str = "tcp://127.0.0.1:0", *, cfg: LinkConfig | None = None,
-                 curve: CurveKeys | None = None, clients: Mapping[bytes, str] | None = None) -> None:  # fmt: skip
-        super().__init__(node_id, cfg or LinkConfig(), new_incarnation())
+                 curve: CurveKeys | None = None, clients: Mapping[bytes, str] | None = None,
+                 clock: Clock | None = None) -> None:  # fmt: skip
+        super().__init__(node_id, cfg or LinkConfig(), new_incarnation(), clock)
         if (curve is None) != (clients is None):
             raise ValueError("CurveZMQ needs both the server's keys and the clients' keys")
         self.bind_addr = bind
@@ -352,7 +356,7 @@ class ZmqServer(_Endpoint):
         if not ok:
             if len(self.refused) < 1000:
                 self.refused.append(key)
-            suppressed = _quiet.allow(f"{self.node_id}/zap", loop_now())
+            suppressed = _quiet.allow(f"{self.node_id}/zap", self.clock.now())
             if suppressed is not None:
                 log.warning(CURVE_CLIENT_REFUSED, server=self.node_id, client_key=key.decode(errors="replace"),
                             suppressed=suppressed)  # fmt: skip
@@ -438,7 +442,7 @@ class ZmqServer(_Endpoint):
             if key_name is None:  # ZAP let it in, so this cannot happen short of a bug
                 self._drop(source, "a frame with no known CurveZMQ key")
                 return
-        now = loop_now()
+        now = self.clock.now()
         if isinstance(link, LinkBeat):
             claimed = link.n
             if key_name is not None and claimed is not None and claimed != key_name:
@@ -467,10 +471,12 @@ class ZmqClient(_Endpoint):
     """The dialling side (a child): one channel to its parent."""
 
     def __init__(self, node_id: str, connect: str, server_id: str, *, cfg: LinkConfig | None = None,
-                 curve: CurveKeys | None = None, server_key: bytes | None = None, incarnation: int | None = None) -> None:  # fmt: skip
+                 curve: CurveKeys | None = None, server_key: bytes | None = None, incarnation: int | None = None,
+                 clock: Clock | None = None) -> None:  # fmt: skip
         if (curve is None) != (server_key is None):
             raise ValueError("CurveZMQ needs both the client's keys and the server's public key")
-        super().__init__(node_id, cfg or LinkConfig(), new_incarnation() if incarnation is None else incarnation)
+        super().__init__(node_id, cfg or LinkConfig(), new_incarnation() if incarnation is None else incarnation,
+                         clock)  # fmt: skip
         self.connect_addr = connect
         self.server_id = server_id
         self.curve = curve
@@ -516,7 +522,7 @@ class ZmqClient(_Endpoint):
             self._drop(self.server_id, e.reason)
             return
         if isinstance(link, LinkBeat):
-            self._beat_from(self.server_id, None, link, loop_now())
+            self._beat_from(self.server_id, None, link, self.clock.now())
             return
         ch = self.channels.get(self.server_id)
         if ch is None:
@@ -528,16 +534,18 @@ class ZmqClient(_Endpoint):
 class ZmqTransport:
     """A node's ZeroMQ side (`aurora.transport.base.Transport`): an optional listening server
     for its children, and one dialling client per parent it connects to. ``keys``: the node's
-    keys (CurveZMQ on when they hold a pair)."""
+    keys (CurveZMQ on when they hold a pair); ``clock``: what its links read time from (the node's)."""
 
     def __init__(self, node_id: str, *, cfg: LinkConfig | None = None, bind: str | None = None,
-                 keys: NodeKeys | None = None) -> None:  # fmt: skip
+                 keys: NodeKeys | None = None, clock: Clock | None = None) -> None:  # fmt: skip
         self.node_id = node_id
         self.cfg = cfg or LinkConfig()
         self.keys = keys or NodeKeys()
+        self.clock: Clock = clock or LoopClock()
         curve = self.keys.curve
         clients = {k: n for n, k in self.keys.public.items()} if curve is not None else None
-        self.server = ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, clients=clients) if bind else None
+        self.server = ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, clients=clients,
+                                clock=self.clock) if bind else None  # fmt: skip
         self.clients: dict[str, ZmqClient] = {}
         self.address = ""
         self._tg: asyncio.TaskGroup | None = None
@@ -567,7 +575,8 @@ class ZmqTransport:
         key = self.keys.public.get(peer) if self.keys.curve is not None else None
         if self.keys.curve is not None and key is None:
             raise ConfigError(f"CurveZMQ to {peer!r} needs its public key")
-        client = ZmqClient(self.node_id, address, peer, cfg=self.cfg, curve=self.keys.curve, server_key=key)
+        client = ZmqClient(self.node_id, address, peer, cfg=self.cfg, curve=self.keys.curve, server_key=key,
+                           clock=self.clock)  # fmt: skip
         self.clients[peer] = client
         ch = await client.start_in(self._tg)
         self._forwards[peer] = self._tg.create_task(self._forward(client))  # fresh channels after a restart

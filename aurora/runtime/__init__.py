@@ -1,7 +1,7 @@
 """The actor runtime: actors, refs, supervisors and the clock."""
 
 from aurora.runtime.actor import Actor, ActorCell, ActorRef, Exit
-from aurora.runtime.clock import Clock, LoopClock, VirtualClock
+from aurora.runtime.clock import Clock, LoopClock, VirtualClock, settle
 from aurora.runtime.groups import cancel_and_wait, first_error, unwrap_group, wait_first
 from aurora.runtime.supervisor import ChildSpec, Supervisor
 
@@ -17,6 +17,7 @@ __all__ = [
     "VirtualClock",
     "cancel_and_wait",
     "first_error",
+    "settle",
     "unwrap_group",
     "wait_first",
 ]

@@ -16,6 +16,8 @@ Rules:
   supervisor sees; `on_stop` runs on every exit, normal or not.
 * A cell is *ready* only when `on_start` has returned; a start error is raised
   to whoever started it.
+* An actor reads time and waits for it through `Actor.clock` (its supervisor's `Clock`), never
+  the event loop's, so a virtual clock drives it.
 * An actor that overrides `main` runs it beside its message loop: an actor that
   owns a connection or a work loop. `main` raising crashes the actor; `main`
   returning ends it normally; a stop request (or a crash) cancels `main`.
@@ -113,6 +115,9 @@ class Actor:
 
     mailbox_size: ClassVar[int] = 64
     ref: ActorRef
+    clock: Clock = LoopClock()
+    """The clock of the cell it runs in (its supervisor's): every timer and deadline of an actor reads
+    it (an actor used outside a supervisor, as some tests do, has real time)."""
 
     async def on_start(self) -> None:
         """Runs before the first message; the actor is ready when it returns."""
@@ -146,6 +151,7 @@ class ActorCell:
     """The message being handled (its asker must hear back even if we are cancelled)."""
 
     def __post_init__(self) -> None:
+        self.actor.clock = self.clock
         self.mailbox = asyncio.Queue()
         self.room = Credits(self.actor.mailbox_size)
         self.ready = asyncio.get_running_loop().create_future()
