@@ -446,7 +446,7 @@ class VersionFlow:
             self._dispatch(self.router.commands())
         if inc.receiver.complete:
             self._time_link(inc)
-        elif self._tg is not None and (inc.decoding is None or inc.decoding.done()):
+        elif self._tg is not None and not inc.manifest.is_snapshot and (inc.decoding is None or inc.decoding.done()):
             inc.decoding = self._tg.create_task(self._decode_ahead(inc))
         if inc.receiver.complete and (inc.seal is not None or not inc.streamed):
             return await self._finish(inc)  # a streamed delta waits for its seal, which follows
@@ -465,9 +465,11 @@ class VersionFlow:
         nothing new: the commit then decodes only the rest (on a node of its own, decoding overlaps
         the transfer). The weights do not change before ``inc`` commits or is dropped, so what is
         decoded stays good; a chunk that fails is left for the commit to report."""
-        base = None if inc.manifest.is_snapshot else self.weights  # what `_commit` stages against
+        base = self.weights  # what `_commit` stages against (a snapshot, against nothing, is not decoded ahead)
+        rx = inc.receiver
         while self._incoming is inc:
-            if not await asyncio.to_thread(inc.receiver.decode_arrived, base, threads=self.threads):
+            items = rx.undecoded(base)  # taken here, where chunks are added: the thread reads only these
+            if not items or not await asyncio.to_thread(rx.decode_ahead, items, base, threads=self.threads):
                 return
 
     async def _sealed(self, target: int, wire: SealWire) -> int | None:

@@ -12,6 +12,7 @@ from aurora.codec import DeltaReceiver, Transform, Weights, apply, apply_in_plac
 from aurora.codec.decoder import blank_weights
 from aurora.codec.dtypes import BY_NAME
 from aurora.codec.encoder import Coding
+from aurora.codec.format import pack_chunk, unpack_chunk
 from aurora.errors import DeltaFormatError
 from tests.helpers import perturb, tensor_from_raw
 
@@ -252,7 +253,18 @@ def test_decoding_ahead_reports_nothing_and_stage_still_refuses_a_wrong_base_or_
     rx.decode_arrived(wrong)  # never raises
     with pytest.raises(DeltaFormatError, match="wrong base"):
         rx.stage(wrong)
-    assert rx.decode_arrived(Weights.from_tensors({"x": torch.zeros(3)})) == 0  # another layout: nothing to do
+    other_layout = Weights.from_tensors({"x": torch.zeros(3)})
+    assert rx.decode_arrived(other_layout) == 0  # another layout: nothing to do
+    assert rx.undecoded(other_layout) == []  # and it is not tried again
+    # a body that fails is tried once ahead, then left for stage to report
+    h = unpack_chunk(d.chunks[0]).header
+    rx2 = DeltaReceiver(d.manifest)
+    rx2.add(pack_chunk(h, b"\xff" * h.body_len))
+    rx2.add_all(d.chunks[1:])
+    assert rx2.decode_arrived(b) == len(d.chunks) - 1
+    assert rx2.undecoded(b) == []
+    with pytest.raises(DeltaFormatError, match=r"chunk \(tensor 0, chunk 0\)"):
+        rx2.stage(b)
     rx.stage(b).commit(w := b.copy())
     assert w.digest() == t.digest()
 
@@ -359,37 +371,40 @@ def test_changed_positions_by_words_equal_a_plain_compare(
 
 @given(
     st.integers(0, 3000), st.integers(0, 3000), st.sampled_from([0.0, 0.01, 0.3, 1.0]),
-    st.sampled_from([1, 2]), st.integers(0, 2**31),
+    st.sampled_from([1, 2]), st.sampled_from(["bfloat16", "float8_e4m3fn", "float32", "float64", "int16"]),
+    st.integers(0, 2**31),
 )  # fmt: skip
 def test_two_spans_side_by_side_give_what_each_gives_alone(
-    na: int, nb: int, density: float, tr: int, seed: int
+    na: int, nb: int, density: float, tr: int, dtype: str, seed: int
 ) -> None:
     """`find_changes_pair` and `locate_pair` (two count chains at once) return exactly the two results of
     `find_changes` and `locate`, for spans of any two lengths (one longer, one empty) and densities."""
     from aurora.codec import kernels
 
+    d = BY_NAME[dtype]  # 256 buckets, 16, 256 of 32 bits, 2048, one (an integer dtype)
+    shift, mask, width = d.exp_shift, d.exp_mask, d.width
     rng = np.random.default_rng(seed)
     spans = []
     for n in (na, nb):
-        base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        base = rng.integers(0, 1 << min(width, 63), n, dtype=np.uint64).astype(d.uint)
         target = base.copy()
-        target[rng.random(n) < density] += np.uint16(1)
+        target[rng.random(n) < density] += d.uint(1)
         spans.append((base, target))
     (ba, ta), (bb, tb) = spans
-    alone = [kernels.find_changes(b, t, 7, 0xFF, 16, tr) for b, t in spans]
-    paired = kernels.find_changes_pair(ba, ta, bb, tb, 7, 0xFF, 16, tr)
+    alone = [kernels.find_changes(b, t, shift, mask, width, tr) for b, t in spans]
+    paired = kernels.find_changes_pair(ba, ta, bb, tb, shift, mask, width, tr)
     for one, two in zip(alone, paired, strict=True):
         assert [a.tolist() for a in one] == [a.tolist() for a in two]
     decoded = []
     for (b, _t), (idx, rank, buck, step) in zip(spans, alone, strict=True):
         out = np.empty(max(64, 4 * b.nbytes), np.uint8)
-        size = kernels.encode_body(rank, buck, step, 256, 16, tr, out)
-        status, first, ranks, vals = kernels.decode_body(out[:size].copy(), idx.size, b.size, 256, 16, tr)
+        size = kernels.encode_body(rank, buck, step, d.n_buckets, width, tr, out)
+        status, first, ranks, vals = kernels.decode_body(out[:size].copy(), idx.size, b.size, d.n_buckets, width, tr)
         assert status == 0
         decoded.append((first, ranks, vals, idx.size))
-    got = kernels.locate_pair(ba, *decoded[0], bb, *decoded[1], 7, 0xFF, 16, tr)
+    got = kernels.locate_pair(ba, *decoded[0], bb, *decoded[1], shift, mask, width, tr)
     for (b, _t), dec, (status, idx, new) in zip(spans, decoded, (got[:3], got[3:]), strict=True):
-        want = kernels.locate(b, 7, 0xFF, *dec, 16, tr)
+        want = kernels.locate(b, shift, mask, *dec, width, tr)
         assert status == want[0] == 0
         assert idx.tolist() == want[1].tolist()
         assert new.tolist() == want[2].tolist()
@@ -408,7 +423,7 @@ def test_bench_codec_scale_measures_both_sides_both_steps_both_codings_and_every
         assert row.codec_over_wire(1e9, True) > 0
     uniform, adam = rows[0], rows[2]
     assert uniform.density == pytest.approx(0.01, rel=0.01)
-    assert 0.002 < adam.density < 0.05  # an Adam step at lr 1e-6 moves about 1 % of bf16 weights
+    assert 0.002 < adam.density < 0.1  # an Adam step at lr 1e-6 moves about 3 % of these bf16 weights
     assert rows[1].delta_bytes > 2 * uniform.delta_bytes  # sparse: more bytes for the same step
     assert "1M uniform 1%" in format_scale(rows)
     assert any("locate (scan, ranks)" in m for m in out)  # the kernel profile follows the table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import replace
 
@@ -231,3 +232,69 @@ def test_overlong_varints_are_not_read(pair: tuple[Weights, Weights], gap: bytes
 
     status, _, _ = kernels.decode_positions(np.frombuffer(gap, np.uint8), 1, 1 << 20)
     assert status == -kernels.ERR_TRUNCATED
+
+
+def _coded_gaps(k: int, gaps: list[tuple[int, int]]) -> np.ndarray:
+    """A DELTA body for one bucket (id 0, not ALL, Rice parameter ``k``) whose range-coded stream holds the
+    given raw (quotient, remainder) gaps, each with an xor value of 1 — whatever an encoder would never
+    write (a quotient past any span, a remainder of all ones), coded with the kernels' own bit coder."""
+    from aurora.codec import kernels as kn
+
+    U = np.uint64
+    out = np.zeros(4096, np.uint8)
+    head = bytes([1, 0, len(gaps), k])
+    out[: len(head)] = np.frombuffer(head, np.uint8)
+    low, rng, cache, csize, pos = U(0), U(0xFFFFFFFF), U(0), U(1), len(head)
+    probs = np.full(kn.N_CTX, 1024, np.int64)
+
+    def renorm() -> None:  # numba hands uint64 back as int: each value goes in as uint64 again
+        nonlocal low, rng, cache, csize, pos
+        low, rng = U(low), U(rng)
+        if rng < kn._TOP:
+            low, rng, cache, csize, pos = (U(x) for x in kn._shift_low(low, rng, cache, csize, pos, out))
+            pos = int(pos)
+
+    def bit(ctx: int, b: int) -> None:
+        nonlocal low, rng
+        low, rng, probs[ctx] = kn._ebit(low, rng, probs[ctx], b)
+        renorm()
+
+    for q, rem in gaps:
+        for t in range(q + 1):
+            bit(kn.CTX_Q + min(t, kn.N_QCTX - 1), int(t < q))
+        if k >= 1:
+            bit(kn.CTX_R + 1, b1 := (rem >> (k - 1)) & 1)
+        if k >= 2:
+            bit(kn.CTX_R + 2 + b1, (rem >> (k - 2)) & 1)
+            left = k - 2
+            while left > 0:
+                take = min(left, 8)
+                left -= take
+                low, rng = kn._edirect(low, rng, U((rem >> left) & ((1 << take) - 1)), take)
+                renorm()
+        bit(kn.CTX_L, 0)  # xor value 1: length 0
+    for _ in range(5):
+        low, rng, cache, csize, pos = (U(x) for x in kn._shift_low(low, rng, cache, csize, pos, out))
+        pos = int(pos)
+    return out[:pos].copy()
+
+
+@given(st.sampled_from([0, 1, 2, 9, 62]), st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2**62 - 1)),
+                                                 min_size=1, max_size=4))  # fmt: skip
+def test_a_decoded_run_of_ranks_is_strictly_increasing_inside_its_span_or_refused(
+    k: int, raw: list[tuple[int, int]]
+) -> None:
+    """Whatever gaps a hostile body codes (quotients past any span, remainders of all ones: their ranks would
+    overflow), decode_body refuses it or returns ranks that rise strictly and stay inside the span."""
+    from aurora.codec import kernels as kn
+
+    n_elems = 1000
+    gaps = [(q, rem & ((1 << k) - 1)) for q, rem in raw]
+    status, first, ranks, _ = kn.decode_body(_coded_gaps(k, gaps), len(gaps), n_elems, 256, 16, 1)
+    if status == 0:
+        run = ranks[first[0] : first[0] + len(gaps)].tolist()
+        assert all(0 <= r < n_elems for r in run)
+        assert all(a < b for a, b in itertools.pairwise(run))
+    # the one an overflow let through before: a second gap of 3 << 62 | (2**62 - 1) after rank 5
+    status, *_ = kn.decode_body(_coded_gaps(62, [(0, 5), (3, 2**62 - 1)]), 2, n_elems, 256, 16, 1)
+    assert status == -kn.ERR_RANGE

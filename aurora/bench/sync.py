@@ -269,7 +269,7 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
     lower = nbytes * copies / rate + depth * LINK_RTT_MS / 1e3
     floor = nbytes * copies / rate + LINK_RTT_MS / 2e3
     return Result(c, nbytes, secs, len(counted), lower, floor, cpu_per_version, enc, dec, max(peaks, default=0.0),
-                  max(cl.peak_total_mb, max(peaks, default=0.0)))  # fmt: skip
+                  cl.peak_total_mb)  # fmt: skip
 
 
 def _emulator() -> tuple[Wan, dict[str, Host]]:

@@ -54,7 +54,9 @@ class DeltaReceiver:
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self.bytes_received = 0
         self._ahead: dict[tuple[int, int], Patch | None] = {}
-        """Chunks decoded as they came (`decode_arrived`), against `_ahead_base`."""
+        """Chunks decoded as they came (`decode_ahead`), against `_ahead_base`."""
+        self._ahead_failed: set[tuple[int, int]] = set()
+        """Chunks that failed to decode ahead: left for `stage` to report."""
         self._ahead_base: Weights | None = None
 
     @property
@@ -121,35 +123,45 @@ class DeltaReceiver:
         for c in chunks:
             self.add(c)
 
-    def decode_arrived(self, base: Weights | None, *, threads: int = 1) -> int:
-        """Decode the chunks that have arrived and are not decoded yet against ``base`` — the very
-        weights `stage` will be given, unchanged until then (None for a snapshot) — so that `stage`
-        has only the rest left: a receiver overlaps decoding with the transfer. Returns how many it
-        decoded. A chunk that fails to decode is left for `stage`, which checks the base first and
-        reports the error; nothing is raised here. May run in a worker thread while `add` takes more
-        chunks; not at the same time as itself or `stage`."""
+    def undecoded(self, base: Weights | None) -> list[tuple[tuple[int, int], Chunk]]:
+        """The chunks arrived and not yet decoded ahead against ``base`` (nor failed to): what
+        `decode_ahead` is to be given. Call it where `add` runs (it reads what `add` writes); a
+        ``base`` other than the last one starts over."""
         if base is not self._ahead_base:
-            self._ahead, self._ahead_base = {}, base
-        m = self.manifest
+            self._ahead, self._ahead_failed, self._ahead_base = {}, set(), base
+        return [it for it in self._chunks.items() if it[0] not in self._ahead and it[0] not in self._ahead_failed]
+
+    def decode_ahead(self, items: list[tuple[tuple[int, int], Chunk]], base: Weights | None, *,
+                     threads: int = 1) -> int:  # fmt: skip
+        """Decode ``items`` (from `undecoded`) against ``base`` — the very weights `stage` will be
+        given, unchanged until then (None for a snapshot) — so that `stage` has only the rest left: a
+        receiver overlaps decoding with the transfer. Returns how many it decoded. A chunk that fails
+        is not tried again here, and left for `stage`, which checks the base first and reports the
+        error; nothing is raised. May run in a worker thread while `add` takes more chunks (it does not
+        read what `add` writes); not at the same time as itself, `undecoded` or `stage`."""
+        if base is not self._ahead_base:
+            return 0
         if base is not None:
             try:
-                check_layout(m, base)
+                check_layout(self.manifest, base)
             except DeltaFormatError:
+                self._ahead_failed.update(k for k, _ in items)
                 return 0
-        todo = [item for item in list(self._chunks.items()) if item[0] not in self._ahead]
+        done = 0
+        for keys, got in _decode_jobs(self.manifest, sorted(items), base, threads):
+            if isinstance(got, DeltaFormatError):
+                self._ahead_failed.update(keys)
+            else:
+                self._ahead.update(zip(keys, got, strict=True))
+                done += len(keys)
+        return done
 
-        def decode(group: list[tuple[tuple[int, int], Chunk]]) -> list[tuple[tuple[int, int], Patch | None]]:
-            try:
-                return list(zip([k for k, _ in group], decode_group(m, group, base), strict=True))
-            except DeltaFormatError:
-                return []
-
-        done = [r for rs in ordered_map(decode, located_pairs(sorted(todo)), threads) for r in rs]
-        self._ahead.update(done)
-        return len(done)
+    def decode_arrived(self, base: Weights | None, *, threads: int = 1) -> int:
+        """`decode_ahead` of what is `undecoded`, in one call (where `add` runs, or between adds)."""
+        return self.decode_ahead(self.undecoded(base), base, threads=threads)
 
     def stage(self, base: Weights | None, *, base_checked: bool = False, threads: int = 1) -> StagedDelta:
-        """Decode every chunk against ``base`` (unchanged) into patches; what `decode_arrived` decoded
+        """Decode every chunk against ``base`` (unchanged) into patches; what `decode_ahead` decoded
         against this very ``base`` is taken as it is.
 
         Checks the base's tensor digests first unless ``base_checked`` (the caller
@@ -164,20 +176,44 @@ class DeltaReceiver:
             raise DeltaFormatError(f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
                                    f"chunks missing, e.g. {self.missing(3)}")  # fmt: skip
         ahead = self._ahead if base is self._ahead_base else {}
+        fresh: dict[tuple[int, int], Patch | None] = {}
         todo = [item for item in sorted(self._chunks.items()) if item[0] not in ahead]
-        fresh = dict(r for rs in ordered_map(lambda g: zip([k for k, _ in g], decode_group(m, g, base), strict=True),
-                                             located_pairs(todo), threads) for r in rs)  # fmt: skip
+        for keys, got in _decode_jobs(m, todo, base, threads):
+            if isinstance(got, DeltaFormatError):
+                raise got
+            fresh.update(zip(keys, got, strict=True))
         patches = [p for key in sorted(self._chunks) if (p := ahead[key] if key in ahead else fresh[key]) is not None]
         return StagedDelta(m, patches)
 
 
-def located_pairs(items: list[tuple[tuple[int, int], Chunk]]) -> Iterator[list[tuple[tuple[int, int], Chunk]]]:
+def _decode_jobs(m: Manifest, items: list[tuple[tuple[int, int], Chunk]], base: Weights | None, threads: int
+                 ) -> Iterator[tuple[list[tuple[int, int]], list[Patch | None] | DeltaFormatError]]:  # fmt: skip
+    """Decode ``items`` (in order) against ``base`` on ``threads`` threads, a `located_pairs` job at a time:
+    each job's chunk keys with its patches, or the error that job's chunks raised."""
+    located = sum(1 for _, c in items if c.header.kind is ChunkKind.DELTA and c.header.n_changed)
+    pair = threads <= 1 or located >= 2 * threads  # pairs only where they do not leave a thread idle
+
+    def job(
+        group: list[tuple[tuple[int, int], Chunk]],
+    ) -> tuple[list[tuple[int, int]], list[Patch | None] | DeltaFormatError]:
+        keys = [k for k, _ in group]
+        try:
+            return keys, decode_group(m, group, base)
+        except DeltaFormatError as e:
+            return keys, e
+
+    return ordered_map(job, located_pairs(items, pair=pair), threads)
+
+
+def located_pairs(items: list[tuple[tuple[int, int], Chunk]], *, pair: bool = True
+                  ) -> Iterator[list[tuple[tuple[int, int], Chunk]]]:  # fmt: skip
     """``items`` (in order) as decoding jobs: two at a time where both are DELTA chunks with changes of one
-    dtype — their base scans run side by side (`kernels.locate_pair`) — else one."""
+    dtype — their base scans run side by side (`kernels.locate_pair`) — else one (always one with
+    ``pair=False``)."""
     held: tuple[tuple[int, int], Chunk] | None = None
     for item in items:
         h = item[1].header
-        if h.kind is not ChunkKind.DELTA or h.n_changed == 0:
+        if not pair or h.kind is not ChunkKind.DELTA or h.n_changed == 0:
             yield [item]
         elif held is None:
             held = item
@@ -326,9 +362,12 @@ class StagedDelta:
                 if p.idx is None:
                     old = dst[p.start : p.start + p.n].copy() if restore else p.new[:0]
                     dst[p.start : p.start + p.n] = p.new
-                else:
+                elif restore:
                     old = np.empty_like(p.new)
                     kernels.scatter(dst, p.idx, p.new, old)
+                else:
+                    dst[p.idx] = p.new
+                    continue
                 if restore:
                     undo.append((p, old))
             weights.forget_digests({p.name for p in self.patches})  # the others' bits did not change

@@ -192,6 +192,9 @@ def iter_chunks(
         """The tensor's spans are found by the rank scan here (conditioned, against a base)."""
         return base is not None and find is None and coding_here(manifest.tensors[ti].name) is Coding.CONDITIONED
 
+    ranked_chunks = sum(e.n_chunks for ti, e in enumerate(manifest.tensors) if manifest.carries(e) and ranked(ti))
+    pair = threads <= 1 or ranked_chunks >= 2 * threads  # pairs only where they do not leave a thread idle
+
     def jobs() -> Iterator[tuple[tuple[int, int], ...]]:
         """The chunks in order, two at a time where both are ranked spans of one dtype (`code`)."""
         held: tuple[int, int] | None = None
@@ -205,7 +208,7 @@ def iter_chunks(
                 if held is not None and (not ranked(ti) or manifest.tensors[held[0]].dtype != entry.dtype):
                     yield (held,)
                     held = None
-                if not ranked(ti):
+                if not pair or not ranked(ti):
                     yield ((ti, ci),)
                 elif held is None:
                     held = (ti, ci)

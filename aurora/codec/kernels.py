@@ -29,6 +29,8 @@ kernels never index outside the arrays they are given.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import njit
 
@@ -567,6 +569,8 @@ def decode_body(
                     q += 1
                     if q > n_elems or pos > limit:
                         return -ERR_RANGE, first, ranks, vals
+                if q > (n_elems >> k):  # no gap in the span is that long (and q << k stays in range)
+                    return -ERR_RANGE, first, ranks, vals
                 rem = U64(0)
                 if k >= 1:
                     code, rng, probs[CTX_R + 1], b1 = _dbit(code, rng, probs[CTX_R + 1])
@@ -671,7 +675,7 @@ def _locate_from(base, i, sh, mk, wmask, transform, ptr, left, ranks, vals, k, i
             new[k] = (U64(b) + v & wmask) if transform == 2 else (U64(b) ^ v)
             k += 1
             ptr[e] = p + 1
-            nxt = ranks[p + 1]  # decode_body's runs are strictly increasing, closed by a -1
+            nxt = ranks[p + 1]  # decode_body's runs are strictly increasing (it checks), closed by a -1
             left[e] = nxt - ranks[p] - 1 if nxt >= 0 else n
         else:
             left[e] = rest - 1
@@ -830,8 +834,9 @@ def changed_positions(base: np.ndarray, target: np.ndarray, bw: np.ndarray, tw: 
 def words(a: np.ndarray) -> np.ndarray:
     """The leading whole 64-bit words of a flat contiguous bit array, as ``uint64`` (no copy), for
     `changed_positions`; empty for dtypes wider than 16 bits, where a word holds at most two
-    elements and comparing them one by one measured faster."""
-    if a.itemsize > 2:
+    elements and comparing them one by one measured faster, and on a big-endian host (the lanes
+    of a word are its elements in order only on a little-endian one)."""
+    if a.itemsize > 2 or sys.byteorder != "little":
         return np.empty(0, np.uint64)
     m = a.nbytes // 8 * 8 // a.itemsize
     return a[:m].view(np.uint64)
