@@ -117,6 +117,9 @@ def check_timings(heartbeat_s: float, suspect_after_s: float, lost_after_s: floa
 
 def new_incarnation() -> int:
     """A number that grows across restarts of a process: microseconds of wall-clock time."""
+    # Wall-clock time on purpose, not the node's `Clock`: a monotonic clock (and a virtual one) starts
+    # again from an arbitrary point with each process, so only wall time grows across restarts. It is
+    # a name for this run of the process, compared with the peer's last one; nothing waits for it.
     return time.time_ns() // 1000
 
 
