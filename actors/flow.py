@@ -250,7 +250,7 @@ class VersionFlow:
             except TransportClosed:
                 return
             except KeyError:  # what it was to be sent is gone from the history: it fell too far behind
-                ch.abort(f"{ch.peer!r} fell more than {self.keep_versions} versions behind; reconnect to catch up")
+                ch.abort(f"{ch.peer!r} fell behind the versions this node keeps; reconnect to catch up")
                 return
 
     # -- the trainer's side
@@ -375,8 +375,11 @@ class VersionFlow:
             return await self._sealed(m.target, m.seal)
         raise ProtocolError(f"{self.name}: {type(m).__name__} is not part of a version stream", remote=True)
 
-    def parent_lost(self) -> None:
-        """The parent is gone: a delta half-received from it is abandoned (the next parent resends)."""
+    def parent_lost(self, *, left: bool = False) -> None:
+        """The parent is gone: a delta half-received from it is abandoned (the next parent resends).
+        ``left``: the node left that parent (the rate it timed that link at goes with it)."""
+        if left:
+            self.link_mbit = None
         inc, self._incoming = self._incoming, None
         if inc is not None:
             self._abandon(inc)
@@ -571,8 +574,8 @@ class VersionFlow:
             head = box.queue[0] if box.queue else None
             stale = isinstance(head, SendChunk | SendManifest) and _target(head) not in self.history
             if stale or len(box.queue) >= MAX_QUEUED:
-                box.ch.abort(f"{cmd.child!r} is not reading: it fell {len(box.queue)} messages and more than "
-                             f"{self.keep_versions} versions behind; reconnect to catch up")  # fmt: skip
+                box.ch.abort(f"{cmd.child!r} is not reading: it fell {len(box.queue)} messages behind, past the "
+                             "versions this node keeps; reconnect to catch up")  # fmt: skip
                 self.remove_child(cmd.child)
                 continue
             box.queue.append(cmd)
@@ -668,14 +671,18 @@ class VersionFlow:
             assert weights is not None
             assert version is not None
             key = (have, version)
-            if key not in self._served:
+            made = self._served.get(key)
+            if made is None:
                 made = await asyncio.to_thread(make, weights, version)
                 if made is None:
                     return None
                 self._served[key] = made
-                while len(self._served) > KEEP_SERVED:
-                    self._served.popitem(last=False)
-            return version, seal, self._served[key]
+                # the oldest go first, but never a snapshot being sent (another child may ask for it)
+                for old in [k for k in self._served if k not in self._sending][
+                    : max(0, len(self._served) - KEEP_SERVED)
+                ]:
+                    del self._served[old]
+            return version, seal, made
 
     async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
         """Send a behind child what `choose_catch_up` chooses; the one thing decided here is a composed
@@ -687,11 +694,12 @@ class VersionFlow:
         if isinstance(choice, Compose):
             if await self._send_composed(ch, choice.base):
                 return
-            choice = choice.otherwise
+            # the history may have moved on while the composed delta was made: choose again without it
+            complete = {v: s.snapshot for v, s in self.history.items() if s.complete}
+            choice = choose_catch_up(have, cmd.to_version, complete, stored=False)
         if isinstance(choice, Replay):
-            chain = range(choice.first, choice.to + 1)
-            for v in chain:
-                s = self.history[v]
+            chain = [(v, self.history[v]) for v in range(choice.first, choice.to + 1)]  # held while they go
+            for v, s in chain:
                 await _send_delta(ch, None if s.snapshot else v - 1, v, s.manifest,
                                   [c for c in s.chunks if c is not None], s.seal)  # fmt: skip
             log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, versions=len(chain))
@@ -740,8 +748,12 @@ class VersionFlow:
         while len(self.history) > self.keep_versions:
             self.history.popitem(last=False)
         snapshots = [v for v, h in self.history.items() if h.snapshot]
-        for v in snapshots[:-KEEP_SNAPSHOTS]:  # full weights each: only the newest are worth their memory
-            del self.history[v]
+        if len(snapshots) > KEEP_SNAPSHOTS:  # full weights each: only the newest are worth their memory,
+            queued = {_target(c) for box in self.outboxes.values() for c in box.queue  # and those still going out
+                      if isinstance(c, SendChunk | SendManifest)}  # fmt: skip
+            for v in snapshots[:-KEEP_SNAPSHOTS]:
+                if v not in queued:
+                    del self.history[v]
 
 
 async def _to_the_end(work: Awaitable[_T]) -> tuple[_T, bool]:

@@ -333,7 +333,8 @@ class Node:
             log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
                                 store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads,
-                                coding=CodingPolicy.of(self.topo, self.tree, self.status.slowest_link),
+                                coding=CodingPolicy.of(self.topo, self.tree,
+                                                       lambda: self.status.slowest_link(self.clock.now())),
                                 clock=self.clock)  # fmt: skip
         seal = await asyncio.to_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
@@ -670,7 +671,7 @@ class _Uplink(Actor):
                             signalling.cancel()  # then awaited by the task group
                             with contextlib.suppress(TransportClosed):
                                 await ch.close("leaving this parent")
-        node.flow.parent_lost()
+        node.flow.parent_lost(left=True)
         await self.zt.disconnect(parent)
 
     async def _serve(self, up: membership.Uplink, ch: Channel) -> NoReturn:

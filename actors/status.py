@@ -38,6 +38,8 @@ from aurora.runtime.clock import Clock, LoopClock
 from aurora.runtime.groups import unwrap_group
 
 STATUS_EVERY_S = 1.0
+LINK_REPORT_S = 10 * STATUS_EVERY_S
+"""A node's measured link rate counts for the coding choice while its reports are this recent."""
 KEEP_VERSIONS = 64
 
 
@@ -82,11 +84,13 @@ class ClusterStatus:
         if node in self.nodes:
             self.reports[node] = (report, now)
 
-    def slowest_link(self) -> tuple[float, str] | None:
-        """The lowest rate any node reported receiving a bulk transfer at, and that node (None: no
-        node has timed one yet). A node behind a relay times the whole path to it, so the minimum
-        is the slowest link a version crosses."""
-        got = [(r.link_mbit, n) for n, (r, _) in self.reports.items() if r.link_mbit is not None]
+    def slowest_link(self, now: float) -> tuple[float, str] | None:
+        """The lowest rate a node reports receiving a bulk transfer at, and that node (None: no node
+        has timed one yet), among reports heard in the last `LINK_REPORT_S` (a node gone, or one that
+        left the parent it timed, stops counting). A node behind a relay times the whole path to it,
+        so the minimum is the slowest link a version crosses."""
+        got = [(r.link_mbit, n) for n, (r, at) in self.reports.items()
+               if r.link_mbit is not None and now - at <= LINK_REPORT_S]  # fmt: skip
         return min(got) if got else None
 
     def snapshot(self, version: int | None, pool: dict[str, Any], now: float) -> Snapshot:

@@ -255,7 +255,30 @@ async def test_a_bulk_transfer_times_the_parent_link_and_a_streamed_delta_does_n
         await trainer.publish(perturb(w0, 0.01, seed=6))
         await _until(lambda: leaf.version == 1)
         assert leaf.link_mbit == 1.0
+        leaf.parent_lost()  # a half-received delta dropped: the same parent, the same link
+        assert leaf.link_mbit == 1.0
+        leaf.parent_lost(left=True)  # a parent left: its link's rate goes with it
+        assert leaf.link_mbit is None
         await tree.close()
+
+
+async def test_the_history_keeps_two_snapshots_but_none_still_going_out() -> None:
+    """Full weights: a third snapshot drops the oldest from the history, unless a child's outbox still
+    has to send it (it would be cut off for falling behind)."""
+    from aurora.actors.flow import _Outbox, _Stored
+
+    from aurora.protocol.routing import SendChunk
+
+    flow = VersionFlow("relay", _model(), 0)
+    down, _up = memory_channel_pair("relay", "rollout-0")
+    flow.outboxes["rollout-0"] = _Outbox(down)
+    flow.outboxes["rollout-0"].queue.append(SendChunk("rollout-0", 1, 0))
+    for v in range(1, 5):
+        flow._remember(v, _Stored(b"m", [b"c"], snapshot=True))
+    assert list(flow.history) == [1, 3, 4]  # 2 dropped; 1 kept while its chunk waits to go out
+    flow.outboxes["rollout-0"].queue.clear()
+    flow._remember(5, _Stored(b"m", [b"c"], snapshot=True))
+    assert list(flow.history) == [4, 5]
 
 
 def test_the_coding_choice_takes_the_operators_link_then_the_slowest_measured_then_the_declared() -> None:
@@ -265,7 +288,7 @@ def test_the_coding_choice_takes_the_operators_link_then_the_slowest_measured_th
     from aurora.protocol.messages import NodeReport
 
     status = ClusterStatus(["relay", "rollout-0", "rollout-1"])
-    policy = CodingPolicy("auto", 100.0, measured=status.slowest_link)
+    policy = CodingPolicy("auto", 100.0, measured=lambda: status.slowest_link(1.0))
     assert policy.link() == (100.0, "declared (planned tree)")
     status.on_report("rollout-0", NodeReport(version=1), 0.0)  # not timed anything yet
     assert policy.link()[1] == "declared (planned tree)"
@@ -276,5 +299,5 @@ def test_the_coding_choice_takes_the_operators_link_then_the_slowest_measured_th
     assert policy.codings(["w"]) == {"w": Coding.CONDITIONED}  # a crawl of a link: bytes win
     status.on_report("relay", NodeReport(version=2, link_mbit=1e6), 0.0)
     assert policy.link() == (2000.0, "measured by rollout-0")
-    fixed = CodingPolicy("auto", 100.0, override_mbit=0.5, measured=status.slowest_link)
+    fixed = CodingPolicy("auto", 100.0, override_mbit=0.5, measured=lambda: status.slowest_link(1.0))
     assert fixed.link() == (0.5, "sync.link_mbit")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from aurora.actors.node import Node, run_node
-from aurora.actors.status import ClusterStatus, render
+from aurora.actors.status import LINK_REPORT_S, ClusterStatus, render
 from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -114,7 +114,8 @@ def test_status_is_kept_only_for_the_topologys_nodes() -> None:
         with pytest.raises(wire.BadMessage):
             wire.decode_app(msgpack.packb({"k": "status", "n": "rollout", "r": {"version": 1, "link_mbit": bad}}))
     st_.on_report("relay", wire.NodeReport(version=4, link_mbit=95.5), 9.0)
-    assert st_.slowest_link() == (95.5, "relay")
+    assert st_.slowest_link(10.0) == (95.5, "relay")
+    assert st_.slowest_link(9.0 + LINK_REPORT_S + 0.1) is None  # a node silent that long no longer counts
     pool = {"accepted": 0, "rejected": {}, "in_flight": 0, "pending": 0, "dropped_stale": 0, "parked": 0}
     snap = st_.snapshot(4, pool, 10.0)  # a value: the time is the caller's
     assert "link 96 Mbit/s" in render(snap)
