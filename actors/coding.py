@@ -99,12 +99,13 @@ class CodingPolicy:
             return got[0], f"measured by {got[1]}"
         return self.declared_mbit, "declared (planned tree)"
 
-    def codings(self, names: Iterable[str]) -> Coding | dict[str, Coding]:
-        """What to code the next version's tensors with."""
+    def codings(self, names: Iterable[str], rate: tuple[float, str] | None = None) -> Coding | dict[str, Coding]:
+        """What to code the next version's tensors with. ``rate``: `link()` as read where the node's
+        clock can be read (the caller runs this in a worker thread: the first call times the codec)."""
         if self.mode != "auto":
             return Coding(self.mode)
         speed = measure_speed()
-        mbit, source = self.link()
+        mbit, source = rate if rate is not None else self.link()
         link = mbit * 1e6 / 8
         out = {n: choose(self._density.get(n, FIRST_DENSITY), link, speed) for n in names}
         sparse = frozenset(n for n, c in out.items() if c is Coding.SPARSE)

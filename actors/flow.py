@@ -265,7 +265,8 @@ class VersionFlow:
         stats = EncodeStats()
         m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
                                   target_version=target, stats=stats, threads=self.threads,
-                                  coding=await asyncio.to_thread(self.coding.codings, list(new)))  # fmt: skip
+                                  coding=await asyncio.to_thread(self.coding.codings, list(new),
+                                                                 self.coding.link()))  # fmt: skip
         n = m.n_chunks
         packed = pack_manifest(m)
         stored = _Stored(packed, [None] * n, m.is_snapshot)

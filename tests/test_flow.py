@@ -174,7 +174,14 @@ async def test_anchors_are_written_after_the_version_leaves_and_every_stored_ver
 
 @pytest.mark.parametrize(("mode", "link_mbit"), [("sparse", 100.0), ("auto", 1e6), ("auto", 1e-3)])
 async def test_versions_coded_sparse_or_by_link_reach_every_node_bit_exact(mode: str, link_mbit: float) -> None:
-    trainer = VersionFlow("trainer", _model(2).copy(), 0, coding=CodingPolicy(mode, link_mbit))
+    from aurora.actors.status import ClusterStatus
+
+    from aurora.runtime.clock import LoopClock
+
+    # as the trainer node wires it: the measured rate read on the node's clock (the event loop's)
+    status, clock = ClusterStatus(["relay", "rollout-0"]), LoopClock()
+    policy = CodingPolicy(mode, link_mbit, measured=lambda: status.slowest_link(clock.now()))
+    trainer = VersionFlow("trainer", _model(2).copy(), 0, coding=policy)
     relay, leaf = VersionFlow("relay", None, None), VersionFlow("rollout-0", None, None)
     async with asyncio.TaskGroup() as tg:
         tree = Tree(tg)
