@@ -455,6 +455,8 @@ class ZmqServer(_Endpoint):
             self._beat_from(peer, route, link, now)
             return
         ch = self._routes.get(route)
+        if ch is None and isinstance(link, LinkClose | LinkCredit):
+            return  # the close of, or the last credit for, a channel this end closed first: a race, not a fault
         if ch is None or (key_name is not None and ch.peer != key_name):
             self._drop(source, "a frame from a connection with no channel (a stale or unknown one)", peer=key_name)
             return
