@@ -64,15 +64,22 @@ def measure_speed(n: int = 1 << 21, density: float = 0.01, reps: int = 3) -> Cod
             best = min(best, time.perf_counter() - t0)
             nbytes = sum(len(c) for c in d.chunks)
         out[coding] = (best / n, nbytes / pos.size)
-    return CodecSpeed(out[Coding.CONDITIONED][0], out[Coding.SPARSE][0], out[Coding.CONDITIONED][1],
-                      out[Coding.SPARSE][1])  # fmt: skip
+    return CodecSpeed(
+        out[Coding.CONDITIONED][0], out[Coding.SPARSE][0], out[Coding.CONDITIONED][1], out[Coding.SPARSE][1]
+    )
 
 
 class CodingPolicy:
     """The trainer's coding choice (see the module docstring); ``link()`` says which rate it uses."""
 
-    def __init__(self, mode: str, declared_mbit: float, *, override_mbit: float | None = None,
-                 measured: Callable[[], tuple[float, str] | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mode: str,
+        declared_mbit: float,
+        *,
+        override_mbit: float | None = None,
+        measured: Callable[[], tuple[float, str] | None] | None = None,
+    ) -> None:
         self.mode = mode
         self.declared_mbit = declared_mbit
         """The slowest link of the planned tree, as the topology declares it."""
@@ -85,10 +92,12 @@ class CodingPolicy:
         self._last: tuple[frozenset[str], float] | None = None
 
     @classmethod
-    def of(cls, topo: Topology, tree: Tree, measured: Callable[[], tuple[float, str] | None] | None = None
-           ) -> CodingPolicy:  # fmt: skip
-        return cls(topo.sync.coding, slowest_link_mbit(topo, tree), override_mbit=topo.sync.link_mbit,
-                   measured=measured)  # fmt: skip
+    def of(
+        cls, topo: Topology, tree: Tree, measured: Callable[[], tuple[float, str] | None] | None = None
+    ) -> CodingPolicy:
+        return cls(
+            topo.sync.coding, slowest_link_mbit(topo, tree), override_mbit=topo.sync.link_mbit, measured=measured
+        )
 
     def link(self) -> tuple[float, str]:
         """The link rate the rule uses (Mbit/s) and where it comes from."""
@@ -111,12 +120,18 @@ class CodingPolicy:
         sparse = frozenset(n for n, c in out.items() if c is Coding.SPARSE)
         threshold = speed.threshold(link)
         if self._last is None or sparse != self._last[0] or not _close(threshold, self._last[1]):
-            log.info(CODING_CHOSEN, sparse=len(sparse), conditioned=len(out) - len(sparse),
-                     threshold_density=round(threshold, 5), link_mbit=round(mbit, 3), link_source=source,
-                     cond_ns_per_element=round(speed.cond_s_per_element * 1e9, 2),
-                     sparse_ns_per_element=round(speed.sparse_s_per_element * 1e9, 2),
-                     cond_bytes_per_change=round(speed.cond_bytes_per_change, 2),
-                     sparse_bytes_per_change=round(speed.sparse_bytes_per_change, 2))  # fmt: skip
+            log.info(
+                CODING_CHOSEN,
+                sparse=len(sparse),
+                conditioned=len(out) - len(sparse),
+                threshold_density=round(threshold, 5),
+                link_mbit=round(mbit, 3),
+                link_source=source,
+                cond_ns_per_element=round(speed.cond_s_per_element * 1e9, 2),
+                sparse_ns_per_element=round(speed.sparse_s_per_element * 1e9, 2),
+                cond_bytes_per_change=round(speed.cond_bytes_per_change, 2),
+                sparse_bytes_per_change=round(speed.sparse_bytes_per_change, 2),
+            )
             self._last = sparse, threshold
         return out
 

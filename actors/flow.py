@@ -146,11 +146,22 @@ class _Incoming:
 
 
 class VersionFlow:
-    def __init__(self, name: str, weights: Weights | None, version: int | None, *,
-                 keep_versions: int = DEFAULT_KEEP_VERSIONS, full_weights: bool = False,
-                 store: DeltaStore | None = None, sealer: Sealer | None = None,
-                 verifier: SealVerifier | None = None, seal: SealWire | None = None,
-                 threads: int = 1, coding: CodingPolicy | None = None, clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        weights: Weights | None,
+        version: int | None,
+        *,
+        keep_versions: int = DEFAULT_KEEP_VERSIONS,
+        full_weights: bool = False,
+        store: DeltaStore | None = None,
+        sealer: Sealer | None = None,
+        verifier: SealVerifier | None = None,
+        seal: SealWire | None = None,
+        threads: int = 1,
+        coding: CodingPolicy | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.name = name
         self.clock: Clock = clock or LoopClock()
         """The node's clock: a bulk transfer from the parent is timed on it (the link's rate is time on
@@ -263,10 +274,15 @@ class VersionFlow:
         target = self.version + 1
         base = None if self.full_weights else self.weights
         stats = EncodeStats()
-        m, chunks = encode_stream(base, new, base_version=None if base is None else self.version,
-                                  target_version=target, stats=stats, threads=self.threads,
-                                  coding=await asyncio.to_thread(self.coding.codings, list(new),
-                                                                 self.coding.link()))  # fmt: skip
+        m, chunks = encode_stream(
+            base,
+            new,
+            base_version=None if base is None else self.version,
+            target_version=target,
+            stats=stats,
+            threads=self.threads,
+            coding=await asyncio.to_thread(self.coding.codings, list(new), self.coding.link()),
+        )
         n = m.n_chunks
         packed = pack_manifest(m)
         stored = _Stored(packed, [None] * n, m.is_snapshot)
@@ -299,8 +315,14 @@ class VersionFlow:
             if isinstance(chunks, Generator):
                 chunks.close()  # a cancelled publish leaves no chunk jobs running
         t = time.perf_counter()
-        wire = self.sealer.seal(v=target, base=None if m.is_snapshot else self.version, digest=m.target_digest,
-                                layout=weights_layout(new), state=state, delta=hasher.digest())  # fmt: skip
+        wire = self.sealer.seal(
+            v=target,
+            base=None if m.is_snapshot else self.version,
+            digest=m.target_digest,
+            layout=weights_layout(new),
+            state=state,
+            delta=hasher.digest(),
+        )
         seal_s = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()
@@ -318,14 +340,29 @@ class VersionFlow:
             self.coding.observe(m, stats)
         nbytes = len(packed) + sum(len(c) for c in stored.chunks if c is not None)
         publish_s = time.perf_counter() - t0
-        self.last_published = {"bytes": nbytes, "density": round(stats.density, 6) if base is not None else None,
-                               "seal_s": round(seal_s + wait_s, 6)}  # fmt: skip
-        log.info(VERSION_PUBLISHED, node=self.name, version=target, chunks=n, bytes=nbytes,
-                 snapshot=m.is_snapshot, publish_s=round(publish_s, 6), encode_s=round(encode_s, 6),
-                 store_s=round(store_s, 6), seal_s=round(seal_s, 6), hash_wait_s=round(wait_s, 6),
-                 signed=self._signs, changed=stats.changed, sparse_chunks=stats.sparse_chunks,
-                 density=round(stats.density, 6) if base is not None else None,
-                 digest=m.target_digest.hex()[:16])  # fmt: skip
+        self.last_published = {
+            "bytes": nbytes,
+            "density": round(stats.density, 6) if base is not None else None,
+            "seal_s": round(seal_s + wait_s, 6),
+        }
+        log.info(
+            VERSION_PUBLISHED,
+            node=self.name,
+            version=target,
+            chunks=n,
+            bytes=nbytes,
+            snapshot=m.is_snapshot,
+            publish_s=round(publish_s, 6),
+            encode_s=round(encode_s, 6),
+            store_s=round(store_s, 6),
+            seal_s=round(seal_s, 6),
+            hash_wait_s=round(wait_s, 6),
+            signed=self._signs,
+            changed=stats.changed,
+            sparse_chunks=stats.sparse_chunks,
+            density=round(stats.density, 6) if base is not None else None,
+            digest=m.target_digest.hex()[:16],
+        )
         return target
 
     @property
@@ -344,8 +381,14 @@ class VersionFlow:
         assert self.weights is not None
         assert self.version is not None
         state, self._hashes = self._hash_state(self.weights) if self._signs else (None, {})
-        self.seal = self.sealer.seal(v=self.version, base=None, digest=self.weights.digest(),
-                                     layout=weights_layout(self.weights), state=state, delta=None)  # fmt: skip
+        self.seal = self.sealer.seal(
+            v=self.version,
+            base=None,
+            digest=self.weights.digest(),
+            layout=weights_layout(self.weights),
+            state=state,
+            delta=None,
+        )
         return self.seal
 
     async def adopt(self, new: Weights) -> int:
@@ -393,8 +436,9 @@ class VersionFlow:
         self.history.pop(target, None)
         self.router.delta_abandoned(target)
         for box in self.outboxes.values():
-            box.queue = deque(c for c in box.queue if not (isinstance(c, SendChunk | SendManifest)
-                                                           and _target(c) == target))  # fmt: skip
+            box.queue = deque(
+                c for c in box.queue if not (isinstance(c, SendChunk | SendManifest) and _target(c) == target)
+            )
 
     def _open(self, wire: SealWire, m: Manifest) -> Seal:
         """A seal, checked against its signature, the manifest, and the run of the version held."""
@@ -404,8 +448,10 @@ class VersionFlow:
             if self._run_id is None:
                 self._run_id = self.verifier.open(self.seal).run
             if seal.run != self._run_id:
-                raise AuthError(f"{self.name}: version {seal.v} is of another run ({seal.run.hex()[:8]}, this node's "
-                                f"is {self._run_id.hex()[:8]})")  # fmt: skip
+                raise AuthError(
+                    f"{self.name}: version {seal.v} is of another run ({seal.run.hex()[:8]}, this node's "
+                    f"is {self._run_id.hex()[:8]})"
+                )
         return seal
 
     def _begin(self, h: DeltaManifest, packed: bytes) -> None:
@@ -413,24 +459,31 @@ class VersionFlow:
         if m.target_version != h.target or m.base_version != h.base or m.n_chunks != h.n:
             raise ProtocolError(f"{self.name}: a manifest message that does not match its manifest", remote=True)
         if not m.is_snapshot and m.base_version != self.version:
-            raise ProtocolError(f"{self.name}: parent sent a delta from version {m.base_version}, "
-                                f"this node holds {self.version}", remote=True)  # fmt: skip
+            raise ProtocolError(
+                f"{self.name}: parent sent a delta from version {m.base_version}, this node holds {self.version}",
+                remote=True,
+            )
         if self.version is not None and m.target_version <= self.version:
-            raise ProtocolError(f"{self.name}: parent sent version {m.target_version}, this node holds "
-                                f"{self.version} already", remote=True)  # fmt: skip
+            raise ProtocolError(
+                f"{self.name}: parent sent version {m.target_version}, this node holds {self.version} already",
+                remote=True,
+            )
         sealed = None if h.seal is None else (self._open(h.seal, m), h.seal)
         # nothing is allocated for a manifest before its layout is known to be the right one
         if self.weights is not None:
             if manifest_layout(m) != weights_layout(self.weights):
-                raise DeltaFormatError(f"{self.name}: the parent's version {m.target_version} has another layout "
-                                       "(tensor names, dtypes or shapes) than the weights held")  # fmt: skip
+                raise DeltaFormatError(
+                    f"{self.name}: the parent's version {m.target_version} has another layout "
+                    "(tensor names, dtypes or shapes) than the weights held"
+                )
         elif sealed is None and self.verifier.authenticates:
             raise AuthError(f"{self.name}: a first version must come with its seal")
         self.parent_lost()  # whatever was half-received before is superseded
         # the next version (a delta, or a snapshot of the full-weight baseline) is forwarded chunk by chunk
         streamed = self.version is not None and m.target_version == self.version + 1 and sealed is None
-        self._incoming = _Incoming(m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed,
-                                   began=self.clock.now())  # fmt: skip
+        self._incoming = _Incoming(
+            m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed, began=self.clock.now()
+        )
         if streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
             self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks + 1))
@@ -507,8 +560,9 @@ class VersionFlow:
         if inc.streamed and not trusted_bytes:  # what streams is the trainer's own bytes, or nothing
             raise AuthError(f"{self.name}: the streamed delta to version {target} is not the one the trainer sealed")
         if trusted_bytes and not m.is_snapshot and seal.base != m.base_version:
-            raise AuthError(f"{self.name}: version {target}'s seal is for a delta from {seal.base}, not "
-                            f"{m.base_version}")  # fmt: skip
+            raise AuthError(
+                f"{self.name}: version {target}'s seal is for a delta from {seal.base}, not {m.base_version}"
+            )
         check_state = self.verifier.authenticates and not trusted_bytes
         if not check_state and self.verifier.authenticates and not m.is_snapshot and self.seal is None:
             raise AuthError(f"{self.name}: holds version {self.version} unsealed; a delta onto it proves nothing")
@@ -519,8 +573,9 @@ class VersionFlow:
             self._dispatch(self.router.commands())
         return await self._commit(inc, wire, trusted_bytes, check_state, verify_s)
 
-    async def _commit(self, inc: _Incoming, wire: SealWire | None, trusted_bytes: bool, check_state: bool,
-                      verify_s: float) -> int:  # fmt: skip
+    async def _commit(
+        self, inc: _Incoming, wire: SealWire | None, trusted_bytes: bool, check_state: bool, verify_s: float
+    ) -> int:
         m, target = inc.manifest, inc.manifest.target_version
         sealed = inc.seal[0] if inc.seal is not None else None
 
@@ -536,11 +591,13 @@ class VersionFlow:
         t = time.perf_counter()
         async with self.weights_lock:
             if m.is_snapshot or self.weights is None:
-                self.weights, cancelled = await _to_the_end(asyncio.to_thread(_commit_snapshot, inc, check,
-                                                                              self.threads))  # fmt: skip
+                self.weights, cancelled = await _to_the_end(
+                    asyncio.to_thread(_commit_snapshot, inc, check, self.threads)
+                )
             else:  # decode and apply in one thread hand-off, in place
-                touched, cancelled = await _to_the_end(asyncio.to_thread(_decode_and_apply, inc.receiver,
-                                                                         self.weights, check, self.threads))  # fmt: skip
+                touched, cancelled = await _to_the_end(
+                    asyncio.to_thread(_decode_and_apply, inc.receiver, self.weights, check, self.threads)
+                )
             self.version, self.digest, self.seal = target, m.target_digest, wire
         self._incoming = None
         if cancelled:
@@ -558,9 +615,15 @@ class VersionFlow:
             self.history.clear()  # older deltas no longer lead to this version
         self.router.version_committed(target)
         self._dispatch(self.router.commands())
-        log.info(VERSION_COMMITTED, node=self.name, version=target, snapshot=m.is_snapshot,
-                 verified="bytes" if trusted_bytes else ("state" if check_state else "unsigned"),
-                 verify_s=round(verify_s, 6), digest=m.target_digest.hex()[:16])  # fmt: skip
+        log.info(
+            VERSION_COMMITTED,
+            node=self.name,
+            version=target,
+            snapshot=m.is_snapshot,
+            verified="bytes" if trusted_bytes else ("state" if check_state else "unsigned"),
+            verify_s=round(verify_s, 6),
+            digest=m.target_digest.hex()[:16],
+        )
         return target
 
     # -- executing the router's commands
@@ -575,8 +638,10 @@ class VersionFlow:
             head = box.queue[0] if box.queue else None
             stale = isinstance(head, SendChunk | SendManifest) and _target(head) not in self.history
             if stale or len(box.queue) >= MAX_QUEUED:
-                box.ch.abort(f"{cmd.child!r} is not reading: it fell {len(box.queue)} messages behind, past the "
-                             "versions this node keeps; reconnect to catch up")  # fmt: skip
+                box.ch.abort(
+                    f"{cmd.child!r} is not reading: it fell {len(box.queue)} messages behind, past the "
+                    "versions this node keeps; reconnect to catch up"
+                )
                 self.remove_child(cmd.child)
                 continue
             box.queue.append(cmd)
@@ -585,8 +650,14 @@ class VersionFlow:
     async def _send_one(self, ch: Channel, cmd: Command) -> None:
         if isinstance(cmd, SendManifest):
             stored = self.history[cmd.delta.target]
-            await ch.send(DeltaManifest(base=cmd.delta.base if not stored.snapshot else None,
-                                        target=cmd.delta.target, n=cmd.delta.chunks - 1), stored.manifest)  # fmt: skip
+            await ch.send(
+                DeltaManifest(
+                    base=cmd.delta.base if not stored.snapshot else None,
+                    target=cmd.delta.target,
+                    n=cmd.delta.chunks - 1,
+                ),
+                stored.manifest,
+            )
         elif isinstance(cmd, SendChunk):
             stored = self.history[cmd.target]
             if cmd.index == len(stored.chunks):
@@ -599,8 +670,16 @@ class VersionFlow:
         elif isinstance(cmd, SendCatchUp):
             await self._catch_up(ch, cmd)
 
-    async def _store(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights,
-                     seal: SealWire | None, *, prune: bool = False, in_place: bool = True) -> None:  # fmt: skip
+    async def _store(
+        self,
+        m: Manifest,
+        chunks: list[bytes | None] | None,
+        weights: Weights,
+        seal: SealWire | None,
+        *,
+        prune: bool = False,
+        in_place: bool = True,
+    ) -> None:
         """Store version ``m.target_version`` (`_keep`); an anchor due at it is written after, off the
         version's path (`_promote`), and finished before the store is written again. ``in_place``:
         ``weights`` are the node's own, which its next commit changes in place (a relay, a rollout);
@@ -630,8 +709,15 @@ class VersionFlow:
         except (StoreError, OSError) as e:
             log.warning(ANCHOR_NOT_WRITTEN, node=self.name, version=v, error=str(e))
 
-    def _keep(self, m: Manifest, chunks: list[bytes | None] | None, weights: Weights, seal: SealWire | None, *,
-              prune: bool = False) -> bool:  # fmt: skip
+    def _keep(
+        self,
+        m: Manifest,
+        chunks: list[bytes | None] | None,
+        weights: Weights,
+        seal: SealWire | None,
+        *,
+        prune: bool = False,
+    ) -> bool:
         """Store version ``m.target_version`` (``weights``) with its seal as the store's anchor policy
         says (`DeltaStore.keep`); ``prune`` then drops all but the recent versions (a relay's or
         rollout's store; the trainer's keeps them all). True: stored as a delta although an anchor is
@@ -701,8 +787,9 @@ class VersionFlow:
         if isinstance(choice, Replay):
             chain = [(v, self.history[v]) for v in range(choice.first, choice.to + 1)]  # held while they go
             for v, s in chain:
-                await _send_delta(ch, None if s.snapshot else v - 1, v, s.manifest,
-                                  [c for c in s.chunks if c is not None], s.seal)  # fmt: skip
+                await _send_delta(
+                    ch, None if s.snapshot else v - 1, v, s.manifest, [c for c in s.chunks if c is not None], s.seal
+                )
             log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, versions=len(chain))
             return
         if self.weights is None:
@@ -750,8 +837,12 @@ class VersionFlow:
             self.history.popitem(last=False)
         snapshots = [v for v, h in self.history.items() if h.snapshot]
         if len(snapshots) > KEEP_SNAPSHOTS:  # full weights each: only the newest are worth their memory,
-            queued = {_target(c) for box in self.outboxes.values() for c in box.queue  # and those still going out
-                      if isinstance(c, SendChunk | SendManifest)}  # fmt: skip
+            queued = {
+                _target(c)
+                for box in self.outboxes.values()
+                for c in box.queue  # and those still going out
+                if isinstance(c, SendChunk | SendManifest)
+            }
             for v in snapshots[:-KEEP_SNAPSHOTS]:
                 if v not in queued:
                     del self.history[v]
@@ -790,8 +881,9 @@ def _encode_slice(chunks: Iterator[bytes], left: int) -> list[bytes]:
     return out
 
 
-async def _send_delta(ch: Channel, base: int | None, target: int, manifest: bytes, chunks: Sequence[bytes],
-                      seal: SealWire | None) -> None:  # fmt: skip
+async def _send_delta(
+    ch: Channel, base: int | None, target: int, manifest: bytes, chunks: Sequence[bytes], seal: SealWire | None
+) -> None:
     """One whole delta (or snapshot, ``base`` None) to one child: the manifest with the seal, then every chunk."""
     await ch.send(DeltaManifest(base=base, target=target, n=len(chunks), seal=seal), manifest)
     for i, c in enumerate(chunks):

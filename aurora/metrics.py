@@ -18,8 +18,20 @@ from typing import Any
 from aurora.events import STEP, VERSION_PUBLISHED, VERSION_SYNCED
 from aurora.store.atomic import atomic_path, write_bytes
 
-STEP_FIELDS = ("reward", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "staleness", "groups",
-               "groups_skipped", "samples", "tokens", "learn_s")  # fmt: skip
+STEP_FIELDS = (
+    "reward",
+    "accuracy",
+    "loss",
+    "kl",
+    "clip_frac",
+    "grad_norm",
+    "staleness",
+    "groups",
+    "groups_skipped",
+    "samples",
+    "tokens",
+    "learn_s",
+)
 
 
 def collect(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -44,12 +44,16 @@ def _pair() -> tuple[dict[str, Any], dict[str, Any]]:
     base_i32 = (i * 40503) % 100_000
     tgt_i32 = base_i32.copy()
     tgt_i32[::50] += 3
-    base = {"layer.weight": tensor_from_raw("bfloat16", base_bf16, (20, 30)),
-            "step": tensor_from_raw("int32", base_i32[:10], (10,)),
-            "scalar": tensor_from_raw("float32", np.array([0x3F800000], np.uint64), ())}  # fmt: skip
-    target = {"layer.weight": tensor_from_raw("bfloat16", tgt_bf16, (20, 30)),
-              "step": tensor_from_raw("int32", tgt_i32[:10], (10,)),
-              "scalar": tensor_from_raw("float32", np.array([0x3F800001], np.uint64), ())}  # fmt: skip
+    base = {
+        "layer.weight": tensor_from_raw("bfloat16", base_bf16, (20, 30)),
+        "step": tensor_from_raw("int32", base_i32[:10], (10,)),
+        "scalar": tensor_from_raw("float32", np.array([0x3F800000], np.uint64), ()),
+    }
+    target = {
+        "layer.weight": tensor_from_raw("bfloat16", tgt_bf16, (20, 30)),
+        "step": tensor_from_raw("int32", tgt_i32[:10], (10,)),
+        "scalar": tensor_from_raw("float32", np.array([0x3F800001], np.uint64), ()),
+    }
     return base, target
 
 

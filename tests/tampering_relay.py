@@ -42,8 +42,9 @@ def _altered(w: Weights) -> Weights:
     return out
 
 
-async def _forged_send_delta(ch: Channel, base: int | None, target: int, manifest: bytes, chunks: object,
-                             seal: SealWire | None) -> None:  # fmt: skip
+async def _forged_send_delta(
+    ch: Channel, base: int | None, target: int, manifest: bytes, chunks: object, seal: SealWire | None
+) -> None:
     """A catch-up: a snapshot of altered weights, under the trainer's seal for ``target``."""
     self = _current[0]
     assert self.weights is not None
@@ -60,8 +61,9 @@ async def _forged_send_one(self: flow.VersionFlow, ch: Channel, cmd: flow.Comman
     if isinstance(cmd, SendManifest):
         assert self.weights is not None  # still the base: the relay commits after the seal
         if cmd.delta.target not in _forged:
-            d = encode(self.weights, _altered(self.weights), base_version=cmd.delta.base,
-                       target_version=cmd.delta.target)  # fmt: skip
+            d = encode(
+                self.weights, _altered(self.weights), base_version=cmd.delta.base, target_version=cmd.delta.target
+            )
             _forged[cmd.delta.target] = (pack_manifest(d.manifest), d.chunks)
         manifest, chunks = _forged[cmd.delta.target]
         await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(chunks)), manifest)

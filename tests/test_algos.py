@@ -14,8 +14,11 @@ def test_group_advantages_normalise_by_the_sample_std() -> None:
     adv, std = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]))
     # mean 0.5; sample std sqrt(4 * 0.25 / 3) = sqrt(1/3)
     assert std == pytest.approx(math.sqrt(1 / 3))
-    assert adv.tolist() == pytest.approx([0.5 / (math.sqrt(1 / 3) + ADV_EPS)] * 1 + [-0.5 / (math.sqrt(1 / 3) + ADV_EPS)] * 2
-                                         + [0.5 / (math.sqrt(1 / 3) + ADV_EPS)])  # fmt: skip
+    assert adv.tolist() == pytest.approx(
+        [0.5 / (math.sqrt(1 / 3) + ADV_EPS)] * 1
+        + [-0.5 / (math.sqrt(1 / 3) + ADV_EPS)] * 2
+        + [0.5 / (math.sqrt(1 / 3) + ADV_EPS)]
+    )
     flat, std = group_advantages(torch.tensor([0.3, 0.3, 0.3]))
     assert std == 0.0
     assert flat.tolist() == [0.0, 0.0, 0.0]

@@ -23,14 +23,21 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
     """A rollout that attaches (or restarts) inside the timed window loads its first version
     there: that is start-up, not generation paused for a switch (the ideal run's CI flake)."""
     at = lambda s: f"2026-12-03T08:00:{s:02d}.000000Z"  # noqa: E731
-    _log(tmp_path / "trainer.log", [{"event": STEP, "version": v, "tokens": 100, "timestamp": at(2 * v)}
-                                    for v in range(1, 7)])  # fmt: skip
-    _log(tmp_path / "r0.log", [{"event": ENGINE_SWITCHED, "version": 0, "from_version": None,
-                                "switch_ms": 500.0, "timestamp": at(5)}])  # fmt: skip
-    _log(tmp_path / "r1.log", [{"event": ENGINE_SWITCHED, "version": 3, "from_version": 2,
-                                "switch_ms": 400.0, "timestamp": at(6)},
-                               {"event": ENGINE_SWITCHED, "version": 1, "from_version": 0,
-                                "switch_ms": 900.0, "timestamp": at(1)}])  # before the window  # fmt: skip
+    _log(
+        tmp_path / "trainer.log",
+        [{"event": STEP, "version": v, "tokens": 100, "timestamp": at(2 * v)} for v in range(1, 7)],
+    )
+    _log(
+        tmp_path / "r0.log",
+        [{"event": ENGINE_SWITCHED, "version": 0, "from_version": None, "switch_ms": 500.0, "timestamp": at(5)}],
+    )
+    _log(
+        tmp_path / "r1.log",
+        [
+            {"event": ENGINE_SWITCHED, "version": 3, "from_version": 2, "switch_ms": 400.0, "timestamp": at(6)},
+            {"event": ENGINE_SWITCHED, "version": 1, "from_version": 0, "switch_ms": 900.0, "timestamp": at(1)},
+        ],
+    )  # before the window
     m = measure(tmp_path, "trainer", ["r0", "r1"], warmup=1)  # window: step 2 (4 s) to step 6 (12 s)
     assert m["window_s"] == pytest.approx(8.0)
     assert m["tokens_s"] == pytest.approx(400 / 8.0)
@@ -39,8 +46,10 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
 
 
 def test_cpu_per_step_is_each_roles_mean_over_the_timed_steps(tmp_path: Path) -> None:
-    samples = [{"version": 2, "cpu_s": {"t": 10.0, "r0": 1.0, "r1": 2.0}},
-               {"version": 6, "cpu_s": {"t": 12.0, "r0": 1.4, "r1": 3.2}}]  # fmt: skip
+    samples = [
+        {"version": 2, "cpu_s": {"t": 10.0, "r0": 1.0, "r1": 2.0}},
+        {"version": 6, "cpu_s": {"t": 12.0, "r0": 1.4, "r1": 3.2}},
+    ]
     (tmp_path / "cpu.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     got = cpu_per_step(tmp_path / "cpu.jsonl", 2, 6, {"t": "trainer", "r0": "rollout", "r1": "rollout"})
     assert got == pytest.approx({"trainer": 500.0, "rollout": 200.0, "all": 900.0})
@@ -51,8 +60,12 @@ def test_cpu_per_step_is_each_roles_mean_over_the_timed_steps(tmp_path: Path) ->
 def test_bench_rl_prints_sync_next_to_the_ideal(tmp_path: Path) -> None:
     topo = rl_topology(tmp_path, steps=1)  # the bench sets the steps
     out = tmp_path / "rl.json"
-    r = subprocess.run([sys.executable, "-m", "aurora", "bench", "rl", str(topo), "--steps", "8", "--warmup", "2",
-                        "--json", str(out)], capture_output=True, text=True, timeout=900)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "bench", "rl", str(topo), "--steps", "8", "--warmup", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "sync / ideal tokens/s:" in r.stdout
     assert CHANNEL_CLOSED not in r.stdout + r.stderr  # the bench's own connections stay quiet

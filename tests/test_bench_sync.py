@@ -20,8 +20,12 @@ pytestmark = [
 
 def test_bench_sync_times_all_four_configurations() -> None:
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    r = subprocess.run([sys.executable, "-m", "aurora", "bench", "sync", "--params", "1M", "--densities", "0.05",
-                        "--versions", "1"], capture_output=True, text=True, timeout=900)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "bench", "sync", "--params", "1M", "--densities", "0.05", "--versions", "1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if re.match(r"\s+1M ", line)]
     assert [" ".join(x.split()[2:4]) for x in rows] == ["full star", "full relay", "delta star", "delta relay"]

@@ -31,8 +31,9 @@ def _offer(data: bytes, frame_bytes: int, tid: str = "t") -> BulkOffer:
     order=st.randoms(use_true_random=False),
     corrupt=st.sets(st.integers(0, 50), max_size=5),
 )
-def test_assembly_holds_exactly_the_good_frames_in_any_order(data: bytes, frame_bytes: int, order: Any,
-                                                             corrupt: set[int]) -> None:  # fmt: skip
+def test_assembly_holds_exactly_the_good_frames_in_any_order(
+    data: bytes, frame_bytes: int, order: Any, corrupt: set[int]
+) -> None:
     offer = _offer(data, frame_bytes)
     asm = BulkAssembly(offer)
     idx = list(range(offer.frames)) * 2  # every frame twice: duplicates are harmless

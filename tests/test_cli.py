@@ -20,18 +20,26 @@ from tests.helpers import perturb
 @pytest.fixture
 def ckpts(tmp_path: Path) -> tuple[Path, Path, Weights]:
     torch.manual_seed(0)
-    base = Weights.from_tensors({"model.embed.weight": (torch.randn(300, 64) * 0.02).to(torch.bfloat16),
-                                 "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
-                                 "lm_head.weight": (torch.randn(300, 64) * 0.02).to(torch.bfloat16)})  # fmt: skip
+    base = Weights.from_tensors(
+        {
+            "model.embed.weight": (torch.randn(300, 64) * 0.02).to(torch.bfloat16),
+            "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
+            "lm_head.weight": (torch.randn(300, 64) * 0.02).to(torch.bfloat16),
+        }
+    )
     target = perturb(base, 0.02, 1)
     save_file(base.to_tensors(), str(tmp_path / "base.safetensors"))
     # The target as a sharded HF checkpoint: an index plus two shards.
     t = target.to_tensors()
     save_file({"model.embed.weight": t["model.embed.weight"]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({k: t[k] for k in ("model.norm.weight", "lm_head.weight")},
-              str(tmp_path / "model-00002-of-00002.safetensors"))  # fmt: skip
-    wm = {"model.embed.weight": "model-00001-of-00002.safetensors",
-          "model.norm.weight": "model-00002-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
+    save_file(
+        {k: t[k] for k in ("model.norm.weight", "lm_head.weight")}, str(tmp_path / "model-00002-of-00002.safetensors")
+    )
+    wm = {
+        "model.embed.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors",
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     return tmp_path / "base.safetensors", tmp_path / "model.safetensors.index.json", target
 
@@ -71,8 +79,12 @@ def test_bad_checkpoints_give_one_line(
 ) -> None:
     base, _, _ = ckpts
     bad = make(tmp_path)  # type: ignore[operator]
-    r = subprocess.run([sys.executable, "-m", "aurora", "delta", "encode", str(base), str(bad), "-o", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "delta", "encode", str(base), str(bad), "-o", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
@@ -84,16 +96,21 @@ def test_apply_to_wrong_base_writes_nothing(ckpts: tuple[Path, Path, Weights], t
     base, target_index, _ = ckpts
     d, out = tmp_path / "d.audelta", tmp_path / "out.safetensors"
     assert main(["delta", "encode", str(base), str(target_index), "-o", str(d)]) == 0
-    r = subprocess.run([sys.executable, "-m", "aurora", "delta", "apply", str(target_index), str(d), "-o", str(out)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "delta", "apply", str(target_index), str(d), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "wrong base" in r.stderr
     assert "Traceback" not in r.stderr
     assert not out.exists()
     trunc = tmp_path / "t.audelta"
     trunc.write_bytes(d.read_bytes()[:-7])
-    r = subprocess.run([sys.executable, "-m", "aurora", "delta", "inspect", str(trunc)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "delta", "inspect", str(trunc)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2
     assert "truncated" in r.stderr
 
@@ -125,15 +142,27 @@ def test_keys_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_topology_check_prints_the_tree_or_one_line_naming_the_path(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "aurora", "topology", "check", str(Path(__file__).parent.parent / "topologies" / "wan-4region.yaml")],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aurora",
+            "topology",
+            "check",
+            str(Path(__file__).parent.parent / "topologies" / "wan-4region.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "└── " in r.stdout
     assert "estimated time to all" in r.stdout
     bad = tmp_path / "t.yaml"
     bad.write_text("name: x\nregions: [{name: a}]\nnodes: [{name: t, role: trainer, region: b, listen: 'tcp://h:1'}]\n")
-    r = subprocess.run([sys.executable, "-m", "aurora", "topology", "check", str(bad)],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "topology", "check", str(bad)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2
     assert r.stderr.strip() == f"aurora: error: {bad}:nodes[0].region: no region named 'b'"
 

@@ -139,8 +139,10 @@ async def test_a_virtual_timeout_behaves_as_asyncios() -> None:
     assert await t == f"inner timed out, outer not: {start + 3.0}"
 
 
-@given(deadlines=st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_size=12),
-       steps=st.lists(st.floats(0.0, 30.0, allow_nan=False), min_size=1, max_size=12))  # fmt: skip
+@given(
+    deadlines=st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_size=12),
+    steps=st.lists(st.floats(0.0, 30.0, allow_nan=False), min_size=1, max_size=12),
+)
 def test_what_a_deadline_sets_off_happens_at_the_deadline(deadlines: list[float], steps: list[float]) -> None:
     """Each sleeper, and what it sets off (another sleeper half a second on), wakes with `now` exactly
     at its deadline, in deadline order, once time has passed it and never before."""

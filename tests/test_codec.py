@@ -16,8 +16,19 @@ from aurora.codec.format import pack_chunk, unpack_chunk
 from aurora.errors import DeltaFormatError
 from tests.helpers import perturb, tensor_from_raw
 
-DTYPES = ["bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-          "float8_e4m3fn"]  # fmt: skip
+DTYPES = [
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "float8_e4m3fn",
+]
 SPECIAL16 = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7FC1, 0xFFFF, 0x0001, 0x8001, 0x7F7F]
 
 
@@ -370,10 +381,13 @@ def test_changed_positions_by_words_equal_a_plain_compare(
 
 
 @given(
-    st.integers(0, 3000), st.integers(0, 3000), st.sampled_from([0.0, 0.01, 0.3, 1.0]),
-    st.sampled_from([1, 2]), st.sampled_from(["bfloat16", "float8_e4m3fn", "float32", "float64", "int16"]),
+    st.integers(0, 3000),
+    st.integers(0, 3000),
+    st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+    st.sampled_from([1, 2]),
+    st.sampled_from(["bfloat16", "float8_e4m3fn", "float32", "float64", "int16"]),
     st.integers(0, 2**31),
-)  # fmt: skip
+)
 def test_two_spans_side_by_side_give_what_each_gives_alone(
     na: int, nb: int, density: float, tr: int, dtype: str, seed: int
 ) -> None:

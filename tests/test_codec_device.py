@@ -58,8 +58,9 @@ def test_spans_ranked_in_windows_match_the_numba_scan(window_spans: int) -> None
     b, t = _big_pair(2.3, 0.01)
     d = b["w"].dtype
     window = window_spans * span_elements(d)
-    got = list(find_changes(torch.from_numpy(b["w"].bits), torch.from_numpy(t["w"].bits), d, Transform.SUB,
-                            window=window))  # fmt: skip
+    got = list(
+        find_changes(torch.from_numpy(b["w"].bits), torch.from_numpy(t["w"].bits), d, Transform.SUB, window=window)
+    )
     assert [ci for ci, _ in got] == [0, 1, 2]
     for ci, found in got:
         lo, hi = chunk_range(b["w"].bits.size, d, ci)
@@ -107,8 +108,9 @@ def test_tiny_spans_cross_every_window_boundary(pair: tuple[Weights, Weights], c
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fmt, "CHUNK_SPAN_BYTES", 96)
         cpu = encode(b, t, base_version=1, target_version=2, coding=coding)
-        dev = encode_on_device(_tensors(b), _tensors(t), base_version=1, target_version=2, coding=coding,
-                               window=spans * 12, threads=2)  # fmt: skip
+        dev = encode_on_device(
+            _tensors(b), _tensors(t), base_version=1, target_version=2, coding=coding, window=spans * 12, threads=2
+        )
         assert dev.chunks == cpu.chunks
         params = _tensors(b)
         apply_on_device(params, cpu.manifest, cpu.chunks, window=spans * 12)

@@ -279,8 +279,10 @@ def _coded_gaps(k: int, gaps: list[tuple[int, int]]) -> np.ndarray:
     return out[:pos].copy()
 
 
-@given(st.sampled_from([0, 1, 2, 9, 62]), st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2**62 - 1)),
-                                                 min_size=1, max_size=4))  # fmt: skip
+@given(
+    st.sampled_from([0, 1, 2, 9, 62]),
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2**62 - 1)), min_size=1, max_size=4),
+)
 def test_a_decoded_run_of_ranks_is_strictly_increasing_inside_its_span_or_refused(
     k: int, raw: list[tuple[int, int]]
 ) -> None:

@@ -164,8 +164,9 @@ def _bf16(model: ModelSpec) -> float:
     return 5e-2 if layers <= 2 else 0.25
 
 
-def _assert_greedy_like_the_reference(engine: Engine, model: ModelSpec, w: Weights, version: int,
-                                      tolerance: float) -> None:  # fmt: skip
+def _assert_greedy_like_the_reference(
+    engine: Engine, model: ModelSpec, w: Weights, version: int, tolerance: float
+) -> None:
     prompts = [Prompt(0, "12+7="), Prompt(1, "3+45="), Prompt(2, "100+1=")]
     got = engine.generate(prompts, version)
     ref = build_model(model).float()

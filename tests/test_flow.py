@@ -24,11 +24,13 @@ from tests.helpers import perturb
 
 def _model(seed: int = 0) -> Weights:
     rng = np.random.default_rng(seed)
-    return Weights.from_tensors({
-        "embed": rng.standard_normal((64, 32)).astype(np.float32),
-        "layer.w": rng.standard_normal((32, 32)).astype(np.float32),
-        "layer.b": rng.standard_normal(32).astype(np.float32),
-    })  # fmt: skip
+    return Weights.from_tensors(
+        {
+            "embed": rng.standard_normal((64, 32)).astype(np.float32),
+            "layer.w": rng.standard_normal((32, 32)).astype(np.float32),
+            "layer.b": rng.standard_normal(32).astype(np.float32),
+        }
+    )
 
 
 async def _follow(flow: VersionFlow, up: Channel) -> None:

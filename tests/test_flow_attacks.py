@@ -28,8 +28,9 @@ VERIFIER = SealVerifier(KEY.public_key())
 
 def _w0() -> Weights:
     rng = np.random.default_rng(0)
-    return Weights.from_tensors({"a": rng.standard_normal((128, 64)).astype(np.float32),
-                                 "b": rng.standard_normal(64).astype(np.float32)})  # fmt: skip
+    return Weights.from_tensors(
+        {"a": rng.standard_normal((128, 64)).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
+    )
 
 
 async def _follow(flow: VersionFlow, up: Channel, log: list[str]) -> None:

@@ -74,8 +74,16 @@ class Cluster:
     async def _main(self) -> None:
         tree = plan(self.topo, str(self.path))
         for n in RUNNING:
-            self.tasks[n] = asyncio.create_task(run_node(self.topo, tree, n, self.stop, file=str(self.path),
-                                                         observe=lambda node, n=n: self.nodes.__setitem__(n, node)))  # fmt: skip
+            self.tasks[n] = asyncio.create_task(
+                run_node(
+                    self.topo,
+                    tree,
+                    n,
+                    self.stop,
+                    file=str(self.path),
+                    observe=lambda node, n=n: self.nodes.__setitem__(n, node),
+                )
+            )
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     def version(self, name: str) -> int:
@@ -116,8 +124,9 @@ class Attacker:
         self.seq = 0
         self.incarnation = time.time_ns() // 1000
 
-    def send(self, who: str, target: str, frames: list[bytes], opener: str | None, claim: str | None,
-             reincarnate: bool) -> None:  # fmt: skip
+    def send(
+        self, who: str, target: str, frames: list[bytes], opener: str | None, claim: str | None, reincarnate: bool
+    ) -> None:
         s = self.socks[(who, target)]
         self.seq += 1
         if reincarnate:
@@ -186,8 +195,11 @@ def test_hostile_frames_never_stop_a_node_nor_the_legitimate_stream(cluster: Clu
             lambda: cluster.version("rollout") >= goal, 90, "the rollout to commit new versions after the attack"
         )
         trainer, rollout = cluster.nodes["trainer"], cluster.nodes["rollout"]
-        cluster.wait(lambda: (rollout.flow.version, rollout.flow.digest) == (trainer.flow.version, trainer.flow.digest),
-                     30, "the rollout to hold the trainer's version, bit-identical")  # fmt: skip
+        cluster.wait(
+            lambda: (rollout.flow.version, rollout.flow.digest) == (trainer.flow.version, trainer.flow.digest),
+            30,
+            "the rollout to hold the trainer's version, bit-identical",
+        )
     assert sent[0] == CASES
     assert not any(t.done() for t in cluster.tasks.values()), "a node exited"
     crashes = [e for e in logs if e["event"] == CHILD_EXITED and e.get("exit") == "crash"]

@@ -84,8 +84,12 @@ def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() ->
     batch = _rollouts(engine, [next(TASK.prompts(11)) for _ in range(32)], 0)
 
     def logp(correct: bool) -> float:
-        vals = [_response_logp(learner, c.prompt_tokens, s.tokens) for p, c in batch for s in c.samples
-                if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct]  # fmt: skip
+        vals = [
+            _response_logp(learner, c.prompt_tokens, s.tokens)
+            for p, c in batch
+            for s in c.samples
+            if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct
+        ]
         return sum(vals) / len(vals)
 
     good, bad = logp(True), logp(False)

@@ -43,16 +43,27 @@ from tests.helpers import free_ports, perturb
 
 def _weights(seed: int = 0) -> Weights:
     rng = np.random.default_rng(seed)
-    return Weights.from_tensors({"a": rng.standard_normal((64, 8)).astype(np.float32),
-                                 "b": rng.standard_normal(32).astype(np.float32)})  # fmt: skip
+    return Weights.from_tensors(
+        {"a": rng.standard_normal((64, 8)).astype(np.float32), "b": rng.standard_normal(32).astype(np.float32)}
+    )
 
 
 def _absurd_manifest(elements: int) -> bytes:
     """A well-formed manifest (its digest right) whose one tensor claims ``elements`` elements."""
     d16 = bytes(16)
-    body = msgpack.packb({"delta_id": delta_id_for(None, 1, None, d16), "base_version": None, "target_version": 1, "base_digest": None,
-                          "target_digest": d16, "transform": "xor", "chunk_span_bytes": 4 * 1024 * 1024 - 4096,
-                          "tensors": [["w", "bfloat16", [elements], None, d16]]}, use_bin_type=True)  # fmt: skip
+    body = msgpack.packb(
+        {
+            "delta_id": delta_id_for(None, 1, None, d16),
+            "base_version": None,
+            "target_version": 1,
+            "base_digest": None,
+            "target_digest": d16,
+            "transform": "xor",
+            "chunk_span_bytes": 4 * 1024 * 1024 - 4096,
+            "tensors": [["w", "bfloat16", [elements], None, d16]],
+        },
+        use_bin_type=True,
+    )
     head = MANIFEST_MAGIC + struct.pack("<HI", FORMAT_VERSION, len(body))
     return head + body + digest_bytes(head, body)
 
@@ -67,12 +78,29 @@ def test_a_manifest_claiming_absurd_sizes_is_refused_before_anything_is_allocate
     save_file({"w": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path / "base.safetensors"))
     for n in (2**60, 2**36):
         f = tmp_path / f"d{n}.audelta"
-        f.write_bytes(b"AUDF" + struct.pack("<H", FORMAT_VERSION) + struct.pack("<I", len(_absurd_manifest(n)))
-                      + _absurd_manifest(n))  # fmt: skip
+        f.write_bytes(
+            b"AUDF"
+            + struct.pack("<H", FORMAT_VERSION)
+            + struct.pack("<I", len(_absurd_manifest(n)))
+            + _absurd_manifest(n)
+        )
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "aurora", "delta", "apply", str(tmp_path / "base.safetensors"),
-                            str(f), "-o", str(tmp_path / "out.safetensors")], capture_output=True, text=True,
-                           timeout=120)  # fmt: skip
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aurora",
+                "delta",
+                "apply",
+                str(tmp_path / "base.safetensors"),
+                str(f),
+                "-o",
+                str(tmp_path / "out.safetensors"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert time.monotonic() - t0 < 60
@@ -171,8 +199,12 @@ learner: {{kind: synthetic, params: 2000, tensors: 2, density: 0.05, interval_s:
     t_anchor = tmp_path / "trainer" / "anchors" / "v00000000.safetensors"
     t_anchor.write_bytes(b"\x00" * 64)
     with pytest.raises(StoreError, match=r"v00000000\.safetensors"):
-        await asyncio.wait_for(run_node(topo, plan(topo, str(path)), "trainer", asyncio.Event(), file=str(path),
-                                        store=tmp_path / "trainer"), 120)  # fmt: skip
+        await asyncio.wait_for(
+            run_node(
+                topo, plan(topo, str(path)), "trainer", asyncio.Event(), file=str(path), store=tmp_path / "trainer"
+            ),
+            120,
+        )
 
 
 def _open_topology(tmp_path: Path) -> Path:
@@ -196,13 +228,18 @@ async def test_a_node_that_listens_beyond_loopback_refuses_to_start_without_keys
 
 def test_aurora_node_says_so_in_one_line(tmp_path: Path) -> None:
     path = _open_topology(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "aurora", "node", "--topology", str(path), "--name", "trainer"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "node", "--topology", str(path), "--name", "trainer"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "--insecure" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run([sys.executable, "-m", "aurora", "topology", "check", str(path)], capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "topology", "check", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert "refuse to start without --insecure" in r.stdout
 
 
@@ -219,16 +256,27 @@ keys: {dir: keys}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     names = sorted(p.name for p in (tmp_path / "keys").iterdir())
-    assert names == sorted(["trainer.key", "trainer.key_secret", "r1.key", "r1.key_secret", "operator.key",
-                            "operator.key_secret", "trainer.sign", "trainer.sign_pub"])  # fmt: skip
+    assert names == sorted(
+        [
+            "trainer.key",
+            "trainer.key_secret",
+            "r1.key",
+            "r1.key_secret",
+            "operator.key",
+            "operator.key_secret",
+            "trainer.sign",
+            "trainer.sign_pub",
+        ]
+    )
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert "0 files written" in again.stdout
 
 
 def test_a_learner_step_with_non_finite_loss_changes_nothing_and_is_counted() -> None:
     task = ArithmeticTask(ArithmeticSpec())
-    learner = GrpoLearner(GrpoSpec(group_size=2, prompts_per_step=1, lr=1e-3), ModelSpec(preset="tiny"), task,
-                          temperature=1.0)  # fmt: skip
+    learner = GrpoLearner(
+        GrpoSpec(group_size=2, prompts_per_step=1, lr=1e-3), ModelSpec(preset="tiny"), task, temperature=1.0
+    )
     w0 = learner.initial()
     p = Prompt(0, "1+1=", "2", tokens=tuple(learner.tokenize(Prompt(0, "1+1="))))
     ok, wrong = learner.tok.hf("2", add_special_tokens=False)["input_ids"], [9]

@@ -60,17 +60,28 @@ SOURCES = {"aurora": ROOT / "aurora", "aurora.actors": ROOT / "actors", "aurora.
 
 ANYTHING = 99
 LAYER = {
-    "aurora.errors": 0, "aurora.events": 0, "aurora.rl.types": 0,
+    "aurora.errors": 0,
+    "aurora.events": 0,
+    "aurora.rl.types": 0,
     "aurora.codec": 1,
     "aurora.protocol": 2,
-    "aurora.config": 3, "aurora.runtime": 3, "aurora.store": 3, "aurora.logs": 3,
+    "aurora.config": 3,
+    "aurora.runtime": 3,
+    "aurora.store": 3,
+    "aurora.logs": 3,
     "aurora.auth": 4,
     "aurora.rl": 5,
-    "aurora.transport": 6, "aurora.display": 6, "aurora.metrics": 6,
-    "aurora.actors": 7, "aurora.testing": 7,
-    "aurora.cli": ANYTHING, "aurora.run": ANYTHING, "aurora.bench": ANYTHING, "aurora.__main__": ANYTHING,
+    "aurora.transport": 6,
+    "aurora.display": 6,
+    "aurora.metrics": 6,
+    "aurora.actors": 7,
+    "aurora.testing": 7,
+    "aurora.cli": ANYTHING,
+    "aurora.run": ANYTHING,
+    "aurora.bench": ANYTHING,
+    "aurora.__main__": ANYTHING,
     "aurora": ANYTHING,
-}  # fmt: skip
+}
 """Each package's layer (see the module docstring); a package is named by its longest prefix here."""
 
 PURE = ["aurora/codec", "aurora/protocol"]
@@ -146,8 +157,9 @@ def test_imports_go_down_the_layers() -> None:
         for target, line in _aurora_imports(name, path):
             dst = _package(target)
             if dst != src and LAYER[src] != ANYTHING and LAYER[dst] >= LAYER[src]:
-                bad.append(f"{path.relative_to(ROOT)}:{line}: {src} (layer {LAYER[src]}) imports {target} "
-                           f"(layer {LAYER[dst]})")  # fmt: skip
+                bad.append(
+                    f"{path.relative_to(ROOT)}:{line}: {src} (layer {LAYER[src]}) imports {target} (layer {LAYER[dst]})"
+                )
     assert not bad, "imports against the layers (tests/test_layout.py):\n" + "\n".join(bad)
 
 
@@ -181,8 +193,9 @@ def test_the_rl_data_contract_is_pure_data() -> None:
         bad = _imported_roots(f) - DATA_ONLY
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)} (the protocol imports it: data only)"
     probe = "import sys, aurora.protocol; print(' '.join(m for m in {mods!r} if m in sys.modules))"
-    r = subprocess.run([sys.executable, "-c", probe.format(mods=sorted(HEAVY))],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", probe.format(mods=sorted(HEAVY))], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [], f"importing aurora.protocol loads {r.stdout.split()}"
 
@@ -203,13 +216,19 @@ def _time_reads(path: Path) -> list[tuple[int, str]]:
     A forbidden function counts wherever it is named (``_now = time.monotonic`` too), not only called."""
     tree = ast.parse(path.read_text(), str(path))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-    yields = {id(c.func) for c in calls if ast.unparse(c.func) == "asyncio.sleep" and
-              [ast.unparse(a) for a in c.args] == ["0"]}  # fmt: skip
+    yields = {
+        id(c.func)
+        for c in calls
+        if ast.unparse(c.func) == "asyncio.sleep" and [ast.unparse(a) for a in c.args] == ["0"]
+    }
     out: list[tuple[int, int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module in SCHEDULING and node.level == 0:
-            out += [(node.lineno, node.col_offset, f"from {node.module} import {a.name}") for a in node.names
-                    if a.name in SCHEDULING[node.module]]  # fmt: skip
+            out += [
+                (node.lineno, node.col_offset, f"from {node.module} import {a.name}")
+                for a in node.names
+                if a.name in SCHEDULING[node.module]
+            ]
         elif isinstance(node, ast.Attribute) and id(node) not in yields:
             recv = ast.unparse(node.value)
             if recv in SCHEDULING and node.attr in SCHEDULING[recv]:
@@ -240,18 +259,27 @@ def test_drivers_read_time_only_through_the_clock() -> None:
 
 def test_the_time_check_finds_what_it_forbids(tmp_path: Path) -> None:
     f = tmp_path / "driver.py"
-    f.write_text("import asyncio, time\nfrom time import monotonic\n"
-                 "async def f(loop, ev):\n"
-                 "    t0 = time.perf_counter()\n    await asyncio.sleep(0)\n    await asyncio.sleep(0.1)\n"
-                 "    now = time.monotonic() + loop.time() + asyncio.get_running_loop().time()\n"
-                 "    async with asyncio.timeout(1):\n        await ev.wait()\n"
-                 "    await asyncio.wait([ev.wait()], timeout=1)\n    await wait_first(ev.wait(), timeout_s=1)\n"
-                 "    loop.call_later(1, print)\n    self.clock.call_later(1, print)\n_now = time.monotonic\n")  # fmt: skip
+    f.write_text(
+        "import asyncio, time\nfrom time import monotonic\n"
+        "async def f(loop, ev):\n"
+        "    t0 = time.perf_counter()\n    await asyncio.sleep(0)\n    await asyncio.sleep(0.1)\n"
+        "    now = time.monotonic() + loop.time() + asyncio.get_running_loop().time()\n"
+        "    async with asyncio.timeout(1):\n        await ev.wait()\n"
+        "    await asyncio.wait([ev.wait()], timeout=1)\n    await wait_first(ev.wait(), timeout_s=1)\n"
+        "    loop.call_later(1, print)\n    self.clock.call_later(1, print)\n_now = time.monotonic\n"
+    )
     assert [what for _, what in _time_reads(f)] == [
-        "from time import monotonic", "asyncio.sleep", "time.monotonic", "loop.time()",
-        "asyncio.get_running_loop().time()", "asyncio.timeout", "asyncio.wait(timeout=...)",
-        "wait_first(timeout_s=...)", "loop.call_later", "time.monotonic",
-    ]  # fmt: skip
+        "from time import monotonic",
+        "asyncio.sleep",
+        "time.monotonic",
+        "loop.time()",
+        "asyncio.get_running_loop().time()",
+        "asyncio.timeout",
+        "asyncio.wait(timeout=...)",
+        "wait_first(timeout_s=...)",
+        "loop.call_later",
+        "time.monotonic",
+    ]
 
 
 EVENTS = {v: k for k, v in vars(aurora.events).items() if k.isupper()}
@@ -284,14 +312,34 @@ def test_event_names_are_only_constants() -> None:
 
 def test_wheel_contains_every_package(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("aurora_rl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for want in ["aurora/__init__.py", "aurora/py.typed", "aurora/codec/kernels.py", "aurora/store/store.py",
-                 "aurora/actors/__init__.py", "aurora/transport/__init__.py", "aurora/cli.py"]:  # fmt: skip
+    for want in [
+        "aurora/__init__.py",
+        "aurora/py.typed",
+        "aurora/codec/kernels.py",
+        "aurora/store/store.py",
+        "aurora/actors/__init__.py",
+        "aurora/transport/__init__.py",
+        "aurora/cli.py",
+    ]:
         assert want in names, want
     assert not any(n.startswith(("actors/", "transport/", "tests/")) for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))

@@ -91,21 +91,39 @@ async def test_a_tree_of_nodes_keeps_its_deadlines_exactly_under_the_virtual_clo
 
     with capture_logs(processors=[structlog.contextvars.merge_contextvars, stamp]) as logs, timeline.running():
         links = {n: net.transport(n, bind=topo.node(n).listen) for n in NODES}
-        tasks = [asyncio.create_task(run_node(topo, tree, n, stop, transport=links[n], threads=1, clock=clock,
-                                              observe=lambda node, n=n: seen(n, node)))
-                 for n in NODES]  # fmt: skip
+        tasks = [
+            asyncio.create_task(
+                run_node(
+                    topo,
+                    tree,
+                    n,
+                    stop,
+                    transport=links[n],
+                    threads=1,
+                    clock=clock,
+                    observe=lambda node, n=n: seen(n, node),
+                )
+            )
+            for n in NODES
+        ]
         try:
             # the rollout attached under its relay, holding a lease while it generates (held back)
-            await timeline.run_until(lambda: bool(events(PARENT_ATTACHED, node="r1")) and lease_of("r1") is not None,
-                                     within_s=60, what="r1 attached and leasing")  # fmt: skip
+            await timeline.run_until(
+                lambda: bool(events(PARENT_ATTACHED, node="r1")) and lease_of("r1") is not None,
+                within_s=60,
+                what="r1 attached and leasing",
+            )
             lease = lease_of("r1")
             assert lease is not None
             granted = lease.granted_at
             assert _close(lease.expires_at, granted + TTL_S)
 
             # renewed at half its TTL (the worker's LeaseHolder deadline): one TTL from the renewal
-            await timeline.run_until(lambda: (cur := lease_of("r1")) is not None and cur.expires_at > lease.expires_at,
-                                     within_s=TTL_S, what="the lease renewed")  # fmt: skip
+            await timeline.run_until(
+                lambda: (cur := lease_of("r1")) is not None and cur.expires_at > lease.expires_at,
+                within_s=TTL_S,
+                what="the lease renewed",
+            )
             renewed = lease_of("r1")
             assert renewed is not None
             assert _close(clock.now(), granted + TTL_S / 2)
@@ -116,8 +134,9 @@ async def test_a_tree_of_nodes_keeps_its_deadlines_exactly_under_the_virtual_clo
             cut_at = clock.now()
             net.silence("relay", "r1")
             net.silence("trainer", "r1")
-            await timeline.run_until(lambda: bool(events(LEASE_EXPIRED, item=renewed.item)), within_s=2 * TTL_S,
-                                     what="the lease expired")  # fmt: skip
+            await timeline.run_until(
+                lambda: bool(events(LEASE_EXPIRED, item=renewed.item)), within_s=2 * TTL_S, what="the lease expired"
+            )
             (lost,) = events(PARENT_LOST, node="r1", parent="relay")
             assert ours.heard_at is not None and ours.heard_at <= cut_at  # noqa: PT018
             assert _close(lost["t"], ours.heard_at + LOST_AFTER_S), (lost, ours.heard_at)

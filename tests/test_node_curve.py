@@ -44,8 +44,9 @@ run: {{steps: 3}}
     return path
 
 
-async def _run(path: Path, names: tuple[str, ...], until: str, deadline_s: float,
-               threads: int | None = None) -> dict[str, Node]:  # fmt: skip
+async def _run(
+    path: Path, names: tuple[str, ...], until: str, deadline_s: float, threads: int | None = None
+) -> dict[str, Node]:
     topo = load_topology(path)
     tree = plan(topo, str(path))
     nodes: dict[str, Node] = {}
@@ -135,8 +136,14 @@ async def test_a_key_outside_the_topology_never_gets_in(tmp_path: Path) -> None:
     async with asyncio.TaskGroup() as tg:
         trainer = tg.create_task(run_node(topo, plan(topo, str(path)), "trainer", stop, file=str(path)))
         await asyncio.sleep(1.0)
-        intruder = ZmqClient("relay-a", topo.trainer.listen or "", "trainer", cfg=CFG, curve=CurveKeys(pub, secret),
-                             server_key=keys.public["trainer"])  # fmt: skip
+        intruder = ZmqClient(
+            "relay-a",
+            topo.trainer.listen or "",
+            "trainer",
+            cfg=CFG,
+            curve=CurveKeys(pub, secret),
+            server_key=keys.public["trainer"],
+        )
         ch = await intruder.start_in(tg)
         with pytest.raises(TransportClosed, match="lost"):  # ZAP refuses it: the trainer is never heard
             await _hello(ch, 5)
@@ -156,22 +163,34 @@ async def test_a_rollouts_key_cannot_pose_as_a_relay_nor_attach_where_the_topolo
     seen: dict[str, Node] = {}
     with capture_logs() as logs:
         async with asyncio.TaskGroup() as tg:
-            runs = [tg.create_task(run_node(topo, plan(topo, str(path)), n, stop, file=str(path),
-                                            observe=lambda node, n=n: seen.__setitem__(n, node)))
-                    for n in ("trainer", "relay-a")]  # fmt: skip
+            runs = [
+                tg.create_task(
+                    run_node(
+                        topo,
+                        plan(topo, str(path)),
+                        n,
+                        stop,
+                        file=str(path),
+                        observe=lambda node, n=n: seen.__setitem__(n, node),
+                    )
+                )
+                for n in ("trainer", "relay-a")
+            ]
             while not (seen.get("relay-a") and seen["relay-a"].flow.version):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             addr = topo.trainer.listen or ""
             # 1. the rollout's key, naming itself relay-a in its heartbeats: no channel at all
-            poser = ZmqClient("relay-a", addr, "trainer", cfg=CFG, curve=rollout.curve,
-                              server_key=rollout.public["trainer"])  # fmt: skip
+            poser = ZmqClient(
+                "relay-a", addr, "trainer", cfg=CFG, curve=rollout.curve, server_key=rollout.public["trainer"]
+            )
             ch = await poser.start_in(tg)
             with pytest.raises((TransportClosed, TimeoutError)):
                 await _hello(ch, 3)
             await poser.close()
             # 2. as itself: the trainer is not a parent the topology gives it (fallback_parents: [])
-            honest = ZmqClient("rollout", addr, "trainer", cfg=CFG, curve=rollout.curve,
-                               server_key=rollout.public["trainer"])  # fmt: skip
+            honest = ZmqClient(
+                "rollout", addr, "trainer", cfg=CFG, curve=rollout.curve, server_key=rollout.public["trainer"]
+            )
             ch = await honest.start_in(tg)
             await ch.send(Hello(v=None))
             answer = (await asyncio.wait_for(ch.recv(), 5)).msg

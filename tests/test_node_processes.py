@@ -53,8 +53,9 @@ def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]]
                 wait_until(lambda: all(_attached(logs[r]) for r in ("relay-a", "relay-b")), 180, "the relays to attach")
             with logs[n].open("wb") as err:
                 argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(topo)]
-                procs[n] = subprocess.Popen([*argv, "--name", n], stdout=subprocess.DEVNULL, stderr=err,
-                                            start_new_session=True)  # fmt: skip
+                procs[n] = subprocess.Popen(
+                    [*argv, "--name", n], stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+                )
         yield procs, logs
     finally:
         for p in procs.values():

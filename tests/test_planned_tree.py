@@ -49,12 +49,14 @@ async def test_late_planned_parent_is_waited_for_and_a_restarted_relay_gets_its_
     def start(name: str) -> None:
         t = net.transport(name, bind=topo.node(name).listen)
         transports[name] = t
-        tasks[name] = asyncio.create_task(run_node(topo, tree, name, asyncio.Event(), transport=t,
-                                                   observe=lambda node: nodes.__setitem__(name, node)))  # fmt: skip
+        tasks[name] = asyncio.create_task(
+            run_node(topo, tree, name, asyncio.Event(), transport=t, observe=lambda node: nodes.__setitem__(name, node))
+        )
 
     def under(parent: str, *children: str) -> bool:
-        return all(c in nodes and nodes[c].place.path == ("trainer", parent)[: 1 + (parent != "trainer")]
-                   for c in children)  # fmt: skip
+        return all(
+            c in nodes and nodes[c].place.path == ("trainer", parent)[: 1 + (parent != "trainer")] for c in children
+        )
 
     with capture_logs() as logs:
         start("trainer")

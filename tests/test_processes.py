@@ -86,8 +86,14 @@ def test_ending_a_group_that_already_ended_signals_nothing() -> None:
 
 
 def test_memory_now_and_at_its_peak() -> None:
-    p = start_group([sys.executable, "-c", "import sys, time; b = bytearray(64 << 20); del b; print(1, flush=True); "
-                     "time.sleep(30)"], stdout=subprocess.PIPE)  # fmt: skip
+    p = start_group(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; b = bytearray(64 << 20); del b; print(1, flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert p.stdout is not None
         assert p.stdout.readline() == b"1\n"  # it has held 64 MB and let them go

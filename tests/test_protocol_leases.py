@@ -63,8 +63,11 @@ def test_work_is_shared_by_measured_throughput() -> None:
 
 @st.composite
 def schedules(draw: st.DrawFn) -> list[tuple[str, str, float]]:
-    ops = st.tuples(st.sampled_from(["grant", "complete", "complete_stale", "renew", "tick", "release"]),
-                    st.sampled_from(["w1", "w2", "w3"]), st.floats(0, 4))  # fmt: skip
+    ops = st.tuples(
+        st.sampled_from(["grant", "complete", "complete_stale", "renew", "tick", "release"]),
+        st.sampled_from(["w1", "w2", "w3"]),
+        st.floats(0, 4),
+    )
     return draw(st.lists(ops, max_size=80))
 
 

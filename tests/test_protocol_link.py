@@ -163,8 +163,14 @@ class TwoLinks(RuleBasedStateMachine):
             was_closed = e.link.closed
             self.do(e, e.link.read(), was_closed=was_closed)
 
-    @rule(steps=st.lists(st.sampled_from(["send", "read", "deliver"]).flatmap(
-        lambda what: st.tuples(st.just(what), st.sampled_from("ab"))), max_size=24))  # fmt: skip
+    @rule(
+        steps=st.lists(
+            st.sampled_from(["send", "read", "deliver"]).flatmap(
+                lambda what: st.tuples(st.just(what), st.sampled_from("ab"))
+            ),
+            max_size=24,
+        )
+    )
     def traffic(self, steps: list[tuple[str, str]]) -> None:
         """A run of sends, reads and arrivals at one instant."""
         for what, name in steps:
@@ -204,8 +210,11 @@ class TwoLinks(RuleBasedStateMachine):
             self.now = max(self.now, min(ds))
             self._tick_all()
 
-    @precondition(lambda self: all(e.alive and e.link.state in (LinkState.AWAITING_PEER, LinkState.OPEN)
-                                   for e in self.ends.values()))  # fmt: skip
+    @precondition(
+        lambda self: all(
+            e.alive and e.link.state in (LinkState.AWAITING_PEER, LinkState.OPEN) for e in self.ends.values()
+        )
+    )
     @rule(duration_s=st.sampled_from([2.0, 7.0, 13.0]))
     def healthy(self, duration_s: float) -> None:
         """Both ends tick at their deadlines and frames arrive at once: after the first heartbeat

@@ -271,8 +271,12 @@ class MembershipTree(RuleBasedStateMachine):
         """The parent goes silent (lost), or its answer or stream does not verify (failed)."""
         n = data.draw(st.sampled_from(self._in(UplinkState.HELLO_SENT, UplinkState.ATTACHED, UplinkState.PROBING)))
         up = self._up(n)
-        self._run(n, up.failed("DeltaFormatError('bad')", "DeltaFormatError", self.now) if fails
-                  else up.lost("silent", self.now))  # fmt: skip
+        self._run(
+            n,
+            up.failed("DeltaFormatError('bad')", "DeltaFormatError", self.now)
+            if fails
+            else up.lost("silent", self.now),
+        )
 
     @precondition(lambda self: any(s.inbox for s in self.nodes.values()))
     @rule(data=st.data())
@@ -378,8 +382,9 @@ TestMembershipTree = MembershipTree.TestCase
 
 def test_a_node_waits_for_its_planned_parent_then_returns_to_it_after_the_hysteresis() -> None:
     """The example behind the rules, step by step: patience at start, fallback, probes, return."""
-    rules = TreeRules({TRAINER: None, "r": TRAINER, "w": "r"}, {"w": (TRAINER,)},
-                      {TRAINER: "trainer", "r": "relay", "w": "rollout"})  # fmt: skip
+    rules = TreeRules(
+        {TRAINER: None, "r": TRAINER, "w": "r"}, {"w": (TRAINER,)}, {TRAINER: "trainer", "r": "relay", "w": "rollout"}
+    )
     place = Place("w", rules)
     up = Uplink(place, rules.order("w"), lost_after_s=1.0, now=0.0)
     assert up.tick(0.0) == [Dial("r")]
@@ -415,8 +420,11 @@ def test_a_cycle_closed_through_a_path_in_flight_is_left_when_the_path_arrives()
     """Relays a, b, c: b falls back onto a, c sits under b, a falls back onto c. b moves under a while
     the new path to c is slow; a then moves under c, whose path still reads t -> b: a cycle for a
     moment. The paths arriving break it: b sees itself in a's path and leaves."""
-    topo: Topo = ({TRAINER: None, "a": TRAINER, "b": TRAINER, "c": "b"}, {"a": ("c",), "b": ("a",), "c": ()},
-                  {TRAINER: "trainer", "a": "relay", "b": "relay", "c": "relay"})  # fmt: skip
+    topo: Topo = (
+        {TRAINER: None, "a": TRAINER, "b": TRAINER, "c": "b"},
+        {"a": ("c",), "b": ("a",), "c": ()},
+        {TRAINER: "trainer", "a": "relay", "b": "relay", "c": "relay"},
+    )
     tree = MembershipTree()
     tree.setup(topo, lost_after_s=1.0)
     checks = (tree.paths_and_parents, tree.deadlines_are_ahead, tree.settled_the_tree_has_no_cycle)

@@ -154,8 +154,12 @@ def test_cut_through_sends_chunks_before_the_relay_holds_the_whole_delta() -> No
     assert r.commands() == [SendManifest("c", DeltaInfo(3, 4, 3)), SendChunk("c", 4, 1)]
     r.child_attached("late", 3)  # joins mid-delta: gets what already arrived
     r.chunk_arrived(4, 0)
-    assert r.commands() == [SendManifest("late", DeltaInfo(3, 4, 3)), SendChunk("late", 4, 1),
-                            SendChunk("c", 4, 0), SendChunk("late", 4, 0)]  # fmt: skip
+    assert r.commands() == [
+        SendManifest("late", DeltaInfo(3, 4, 3)),
+        SendChunk("late", 4, 1),
+        SendChunk("c", 4, 0),
+        SendChunk("late", 4, 0),
+    ]
 
 
 def test_a_child_behind_gets_one_catch_up_then_joins_the_stream() -> None:

@@ -16,8 +16,12 @@ def test_a_short_grpo_run_raises_the_reward(tmp_path: Path) -> None:
     steps = 40
     topo = rl_topology(tmp_path, steps)
     state = tmp_path / "state"
-    r = subprocess.run([sys.executable, "-m", "aurora", "run", str(topo), "--state", str(state)],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "run", str(topo), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"done: every node holds version {steps}" in r.stdout.splitlines()
     assert (tmp_path / "model" / "config.json").exists()  # `aurora run` made the model directory

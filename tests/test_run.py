@@ -30,8 +30,12 @@ learner: {{kind: synthetic, model: {{preset: tiny}}, density: 0.02, samples_per_
 engine: {{kind: torch, model: {{preset: tiny}}, max_new_tokens: 8}}
 run: {{steps: 4}}
 """)
-    r = subprocess.run([sys.executable, "-m", "aurora", "run", str(topo), "--state", str(tmp_path / "state")],
-                       capture_output=True, text=True, timeout=240)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "run", str(topo), "--state", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "done: every node holds version 4"
@@ -58,8 +62,9 @@ nodes:
   - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{port}"}}
   - {{name: rollout-1, role: rollout, region: local, parent: trainer}}
 """)
-        r = subprocess.run([sys.executable, "-m", "aurora", "run", str(topo)], capture_output=True, text=True,
-                           timeout=240)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "aurora", "run", str(topo)], capture_output=True, text=True, timeout=240
+        )
     assert r.returncode == 2
     assert "node 'trainer' exited" in r.stderr
 

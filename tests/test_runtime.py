@@ -230,8 +230,15 @@ async def test_backoff_runs_on_the_supervisors_clock() -> None:
     from aurora.runtime import VirtualClock
 
     clock = VirtualClock()
-    sup = Supervisor("root", [ChildSpec("a", actor=lambda: Echo("a"))], backoff_s=10.0, max_backoff_s=60.0, max_restarts=5, within_s=1000,
-                     clock=clock)  # fmt: skip
+    sup = Supervisor(
+        "root",
+        [ChildSpec("a", actor=lambda: Echo("a"))],
+        backoff_s=10.0,
+        max_backoff_s=60.0,
+        max_restarts=5,
+        within_s=1000,
+        clock=clock,
+    )
     task = await _running(sup)
     with pytest.raises(RuntimeError):
         await sup.ref("a").ask("crash")

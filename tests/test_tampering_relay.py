@@ -51,9 +51,13 @@ def bad_relay(tmp_path: Path) -> Iterator[Path]:
     """The topology, with the tampering relay running as its own process (its log in relay.log)."""
     path = _topology(tmp_path)
     with (tmp_path / "relay.log").open("wb") as log:
-        relay = subprocess.Popen([sys.executable, "-m", "tests.tampering_relay", "--topology", str(path), "--name",
-                                  "relay-bad"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
-                                 start_new_session=True)  # fmt: skip
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "tests.tampering_relay", "--topology", str(path), "--name", "relay-bad"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
     try:
         yield path
     finally:
@@ -68,9 +72,12 @@ async def test_children_of_a_tampering_relay_refuse_its_versions_and_end_bit_ide
     nodes: dict[str, Node] = {}
     stop = asyncio.Event()
     with capture_logs() as logs:
-        tasks = [asyncio.create_task(run_node(topo, tree, n, stop, file=str(path),
-                                              observe=lambda node, n=n: nodes.__setitem__(n, node)))
-                 for n in ("trainer", "r1", "r2")]  # fmt: skip
+        tasks = [
+            asyncio.create_task(
+                run_node(topo, tree, n, stop, file=str(path), observe=lambda node, n=n: nodes.__setitem__(n, node))
+            )
+            for n in ("trainer", "r1", "r2")
+        ]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(120):
                 while not all(n in nodes and nodes[n].flow.version == 12 for n in ("trainer", "r1", "r2")):  # noqa: ASYNC110

@@ -94,8 +94,9 @@ BAD: list[tuple[str, Any, str, str]] = [
 
 
 @pytest.mark.parametrize(("where", "value", "path", "message"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
-def test_a_bad_file_names_the_file_and_the_path(tmp_path: Path, where: str, value: Any, path: str,
-                                                message: str) -> None:  # fmt: skip
+def test_a_bad_file_names_the_file_and_the_path(
+    tmp_path: Path, where: str, value: Any, path: str, message: str
+) -> None:
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(_set(_base(), where, value)))
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
@@ -120,10 +121,12 @@ def test_topology_check_names_a_typo_under_learner(tmp_path: Path, capsys: pytes
 
 def test_cycles_and_relays_without_a_path_to_the_trainer_are_refused(tmp_path: Path) -> None:
     d = _base()
-    d["nodes"].append({"name": "relay2", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:3",
-                       "parent": "relay3"})  # fmt: skip
-    d["nodes"].append({"name": "relay3", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:4",
-                       "parent": "relay2"})  # fmt: skip
+    d["nodes"].append(
+        {"name": "relay2", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:3", "parent": "relay3"}
+    )
+    d["nodes"].append(
+        {"name": "relay3", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:4", "parent": "relay2"}
+    )
     f = tmp_path / "cycle.yaml"
     f.write_text(yaml.safe_dump(d))
     with pytest.raises(ConfigError, match="cycle: relay2 -> relay3 -> relay2") as e:
@@ -133,8 +136,9 @@ def test_cycles_and_relays_without_a_path_to_the_trainer_are_refused(tmp_path: P
 
 def test_a_fallback_inside_the_nodes_own_subtree_is_refused(tmp_path: Path) -> None:
     d = _base()
-    d["nodes"].append({"name": "relay2", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:3",
-                       "parent": "relay"})  # fmt: skip
+    d["nodes"].append(
+        {"name": "relay2", "role": "relay", "region": "b", "listen": "tcp://127.0.0.1:3", "parent": "relay"}
+    )
     d["nodes"][1]["fallback_parents"] = ["relay2"]
     f = tmp_path / "fb.yaml"
     f.write_text(yaml.safe_dump(d))
@@ -159,17 +163,28 @@ def wan_topologies(draw: st.DrawFn) -> Topology:
     local_mbit = draw(st.sampled_from([1000.0, 10000.0]))
     wan_mbit = draw(st.sampled_from([10.0, 50.0, 100.0]))
     regions = [{"name": f"r{i}", "bandwidth_mbit": local_mbit} for i in range(n_regions)]
-    wan = [{"regions": ["r0", f"r{i}"], "bandwidth_mbit": wan_mbit, "rtt_ms": draw(st.sampled_from([20, 50, 150]))}
-           for i in range(1, n_regions)]  # fmt: skip
+    wan = [
+        {"regions": ["r0", f"r{i}"], "bandwidth_mbit": wan_mbit, "rtt_ms": draw(st.sampled_from([20, 50, 150]))}
+        for i in range(1, n_regions)
+    ]
     nodes: list[dict[str, Any]] = [{"name": "trainer", "role": "trainer", "region": "r0", "listen": "tcp://h:1"}]
     port = 2
     for i in range(n_regions):
         for j in range(draw(st.integers(1 if i else 0, 2))):
-            nodes.append({"name": f"relay-{i}-{j}", "role": "relay", "region": f"r{i}", "listen": f"tcp://h:{port}",
-                          "parent": "auto"})  # fmt: skip
+            nodes.append(
+                {
+                    "name": f"relay-{i}-{j}",
+                    "role": "relay",
+                    "region": f"r{i}",
+                    "listen": f"tcp://h:{port}",
+                    "parent": "auto",
+                }
+            )
             port += 1
-        nodes += [{"name": f"roll-{i}-{j}", "role": "rollout", "region": f"r{i}", "parent": "auto"}
-                  for j in range(draw(st.integers(1, 4)))]  # fmt: skip
+        nodes += [
+            {"name": f"roll-{i}-{j}", "role": "rollout", "region": f"r{i}", "parent": "auto"}
+            for j in range(draw(st.integers(1, 4)))
+        ]
     t = convert(Topology, {"name": "gen", "regions": regions, "wan": wan, "nodes": nodes})
     check(t)
     return t

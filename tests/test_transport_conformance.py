@@ -63,8 +63,9 @@ async def zmq_link() -> AsyncIterator[LinkPair]:
 
 # Both WebRTC ends share one event loop here and aiortc's SCTP is pure Python, so a 16 MiB
 # message keeps the loop busy for seconds: liveness gets a looser bound than the other links.
-RTC_CFG = RtcConfig(window=CFG.window, max_frame_bytes=CFG.max_frame_bytes, heartbeat_s=0.25,
-                    suspect_after_s=1.0, lost_after_s=3.0)  # fmt: skip
+RTC_CFG = RtcConfig(
+    window=CFG.window, max_frame_bytes=CFG.max_frame_bytes, heartbeat_s=0.25, suspect_after_s=1.0, lost_after_s=3.0
+)
 
 
 @contextlib.asynccontextmanager

@@ -54,8 +54,17 @@ engine: {{kind: synthetic, max_new_tokens: 4, token_s: 0.01}}
 run: {{steps: {STEPS}}}
 """
 NODES = ["trainer", "relay-a", "relay-b", "r1", "r2", "r3", "r4"]
-LINKS = [("trainer", "relay-a"), ("trainer", "relay-b"), ("relay-a", "r1"), ("relay-a", "r2"), ("relay-b", "r3"),
-         ("relay-b", "r4"), ("relay-b", "r1"), ("relay-a", "r3"), ("trainer", "r2")]  # fmt: skip
+LINKS = [
+    ("trainer", "relay-a"),
+    ("trainer", "relay-b"),
+    ("relay-a", "r1"),
+    ("relay-a", "r2"),
+    ("relay-b", "r3"),
+    ("relay-b", "r4"),
+    ("relay-b", "r1"),
+    ("relay-a", "r3"),
+    ("trainer", "r2"),
+]
 
 Op = tuple[Any, ...]
 ops = st.lists(
@@ -97,9 +106,9 @@ class Harness:
             if node.pool is not None:
                 self.pools.append(node.pool)
 
-        self.tasks[name] = asyncio.create_task(run_node(
-            self.topo, self.tree, name, asyncio.Event(), store=self.store / name,
-            transport=t, observe=seen))  # fmt: skip
+        self.tasks[name] = asyncio.create_task(
+            run_node(self.topo, self.tree, name, asyncio.Event(), store=self.store / name, transport=t, observe=seen)
+        )
 
     async def kill(self, name: str) -> None:
         task = self.tasks.pop(name, None)
@@ -192,22 +201,28 @@ async def _scenario(tmp: Path, schedule: list[tuple[Op, float]]) -> None:
 
 
 def _faults(n: int) -> settings:
-    return settings(deadline=None, derandomize=True, max_examples=n,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+    return settings(
+        deadline=None,
+        derandomize=True,
+        max_examples=n,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
 
 
 @_faults(5)
 @given(schedule=ops)
-def test_the_tree_converges_after_any_fault_schedule(tmp_path_factory: pytest.TempPathFactory,
-                                                     schedule: list[tuple[Op, float]]) -> None:  # fmt: skip
+def test_the_tree_converges_after_any_fault_schedule(
+    tmp_path_factory: pytest.TempPathFactory, schedule: list[tuple[Op, float]]
+) -> None:
     asyncio.run(_scenario(tmp_path_factory.mktemp("faults"), schedule))
 
 
 @pytest.mark.slow
 @_faults(30)
 @given(schedule=ops)
-def test_the_tree_converges_after_any_fault_schedule_many(tmp_path_factory: pytest.TempPathFactory,
-                                                          schedule: list[tuple[Op, float]]) -> None:  # fmt: skip
+def test_the_tree_converges_after_any_fault_schedule_many(
+    tmp_path_factory: pytest.TempPathFactory, schedule: list[tuple[Op, float]]
+) -> None:
     asyncio.run(_scenario(tmp_path_factory.mktemp("faults"), schedule))
 
 

@@ -22,13 +22,18 @@ def test_webrtc_connects_across_namespaces_and_delivers_a_striped_payload() -> N
     with Wan() as wan:
         a, b = wan.host("a"), wan.host("b")
         link = wan.link(a, b)  # a plain veth pair: the addresses exist only inside these namespaces
-        sink = b.popen([*PEER, "sink", "--kind", "webrtc", "--streams", "2", "--bind", link.addr_b],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        sink = b.popen(
+            [*PEER, "sink", "--kind", "webrtc", "--streams", "2", "--bind", link.addr_b],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         assert sink.stdout is not None
         addr = json.loads(sink.stdout.readline())["address"]
         assert link.addr_b in addr
-        r = a.run([*PEER, "source", "--kind", "webrtc", "--streams", "2", "--bytes", str(3 << 20), "--connect", addr],
-                  timeout_s=120)  # fmt: skip
+        r = a.run(
+            [*PEER, "source", "--kind", "webrtc", "--streams", "2", "--bytes", str(3 << 20), "--connect", addr],
+            timeout_s=120,
+        )
         if r.returncode != 0:
             sink.kill()
             assert sink.stderr is not None
@@ -45,8 +50,11 @@ def test_a_sender_notices_when_its_webrtc_peer_is_killed() -> None:
         sink = b.popen([*PEER, "sink", *args, "--bind", link.addr_b], stdout=subprocess.PIPE)
         assert sink.stdout is not None
         addr = json.loads(sink.stdout.readline())["address"]
-        src = a.popen([*PEER, "source", *args, "--bytes", str(64 << 20), "--connect", addr],
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        src = a.popen(
+            [*PEER, "source", *args, "--bytes", str(64 << 20), "--connect", addr],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         time.sleep(3)
         assert src.poll() is None, "the transfer ended before the kill"
         subprocess.run(["kill", "-9", str(sink.pid)], check=True)

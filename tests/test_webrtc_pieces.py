@@ -16,8 +16,9 @@ from aurora.protocol.messages import BadMessage, LinkCredit, LinkData, Probe, en
 @given(bufs=st.lists(st.binary(max_size=300), max_size=4), piece_bytes=st.integers(1, 64))
 def test_pieces_reassemble_to_the_message_at_every_boundary(bufs: list[bytes], piece_bytes: int) -> None:
     msg = Probe(i=3, note="x")
-    pieces = encode_pieces(LinkData(z=[len(encode_app(msg))] + [len(b) for b in bufs]),
-                           (encode_app(msg), *bufs), piece_bytes=piece_bytes)  # fmt: skip
+    pieces = encode_pieces(
+        LinkData(z=[len(encode_app(msg))] + [len(b) for b in bufs]), (encode_app(msg), *bufs), piece_bytes=piece_bytes
+    )
     assert all(1 < len(p) <= piece_bytes + 1 for p in pieces)
     assert [p[0] for p in pieces] == [MORE] * (len(pieces) - 1) + [0]
     frame, got, parts = decode_frame(b"".join(p[1:] for p in pieces))

@@ -80,8 +80,20 @@ class Cluster:
 
     def start(self, name: str) -> None:
         level = "debug" if name == "rollout-1" else "info"  # its lease grants and sends: see `held_leases`
-        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "--log-level", level, "node",
-                "--topology", str(self.topo), "--name", name]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "aurora",
+            "--log-format",
+            "json",
+            "--log-level",
+            level,
+            "node",
+            "--topology",
+            str(self.topo),
+            "--name",
+            name,
+        ]
         if name == "trainer":
             argv += ["--store", str(self.store)]
         with self.logs[name].open("ab") as err:
@@ -134,8 +146,11 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
     c = cluster
     rollouts = NAMES[2:]
     # generous: on a clean checkout several processes compile the codec kernels at once on two cores
-    wait_until(lambda: c.version("trainer") >= 2 and all(c.ev(r, ENGINE_SWITCHED) for r in rollouts), 180,
-          "work under way on every rollout")  # fmt: skip
+    wait_until(
+        lambda: c.version("trainer") >= 2 and all(c.ev(r, ENGINE_SWITCHED) for r in rollouts),
+        180,
+        "work under way on every rollout",
+    )
 
     # 1. a rollout dies holding leases: they expire at the trainer and the run goes on without it.
     # Leases go out only while the learner can use more results, so a worker often holds none:
@@ -157,8 +172,14 @@ def test_a_rollout_killed_mid_lease_and_a_trainer_restarted_from_its_store(clust
 
     # 2. rollout-1 comes back: it catches up and gets work again
     c.start("rollout-1")
-    wait_until(lambda: len(_lives(c.logs["rollout-1"])) == 2 and WORK_STARTED in {e["event"] for e in _lives(
-        c.logs["rollout-1"])[1]}, 60, "rollout-1 to get work again")  # fmt: skip
+    wait_until(
+        lambda: (
+            len(_lives(c.logs["rollout-1"])) == 2
+            and WORK_STARTED in {e["event"] for e in _lives(c.logs["rollout-1"])[1]}
+        ),
+        60,
+        "rollout-1 to get work again",
+    )
 
     # 3. the trainer dies; restarted on its store it resumes from the last version it stored
     last = c.version("trainer")

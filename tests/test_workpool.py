@@ -24,10 +24,19 @@ def _prompts() -> Iterator[Prompt]:
         i += 1
 
 
-def _pool(*, prompts_per_lease: int = 2, ahead_steps: int = 2, max_stale: int = 1, group_size: int = 2,
-          batch: int = 0, steps: int | None = None, ttl_s: float = 5.0) -> WorkPool:  # fmt: skip
-    settings = PoolSettings(ttl_s=ttl_s, prompts_per_lease=prompts_per_lease, batch_s=2.0, ahead_steps=ahead_steps,
-                            max_stale=max_stale)  # fmt: skip
+def _pool(
+    *,
+    prompts_per_lease: int = 2,
+    ahead_steps: int = 2,
+    max_stale: int = 1,
+    group_size: int = 2,
+    batch: int = 0,
+    steps: int | None = None,
+    ttl_s: float = 5.0,
+) -> WorkPool:
+    settings = PoolSettings(
+        ttl_s=ttl_s, prompts_per_lease=prompts_per_lease, batch_s=2.0, ahead_steps=ahead_steps, max_stale=max_stale
+    )
     return WorkPool(settings, _prompts(), RULES, group_size=group_size, batch=batch, steps=steps)
 
 

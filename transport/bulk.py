@@ -49,9 +49,16 @@ from aurora.runtime.clock import Clock, LoopClock
 log = structlog.get_logger("aurora.transport.bulk")
 
 
-async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *, transfer_id: str | None = None,
-                    frame_bytes: int = DEFAULT_FRAME_BYTES, answer_timeout_s: float = 60.0,
-                    stall_s: float = 60.0, clock: Clock | None = None) -> str:  # fmt: skip
+async def send_bulk(
+    channels: Sequence[Channel],
+    payload: bytes | memoryview,
+    *,
+    transfer_id: str | None = None,
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+    answer_timeout_s: float = 60.0,
+    stall_s: float = 60.0,
+    clock: Clock | None = None,
+) -> str:
     """Deliver ``payload`` (see the module docstring); returns the transfer id. Not
     cancellation-safe for the channels: a cancelled transfer may leave them mid-message. The
     timeouts run on ``clock`` (default: the event loop's)."""
@@ -66,8 +73,14 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
         if not live:
             raise TransportClosed(f"bulk {offer.id!r}: every stream closed ({offer.size} bytes not confirmed)")
         ctl = live[0]
-        offer_msg = wire.BulkOffer(id=offer.id, size=offer.size, frame_bytes=offer.frame_bytes, digest=offer.digest,
-                                   round=rnd, streams=len(live))  # fmt: skip
+        offer_msg = wire.BulkOffer(
+            id=offer.id,
+            size=offer.size,
+            frame_bytes=offer.frame_bytes,
+            digest=offer.digest,
+            round=rnd,
+            streams=len(live),
+        )
         reply = await _exchange(ctl, offer.id, answer_timeout_s, clock, offer_msg)
         if reply is not None and not isinstance(reply, wire.BulkDone):
             want = from_ranges(reply.missing if isinstance(reply, wire.BulkWant) else [], offer.frames)
@@ -85,8 +98,9 @@ async def send_bulk(channels: Sequence[Channel], payload: bytes | memoryview, *,
 _Reply = wire.BulkWant | wire.BulkDone | wire.BulkIncomplete
 
 
-async def _exchange(ctl: Channel, tid: str, timeout_s: float, clock: Clock,
-                    msg: wire.BulkOffer | None = None) -> _Reply | None:  # fmt: skip
+async def _exchange(
+    ctl: Channel, tid: str, timeout_s: float, clock: Clock, msg: wire.BulkOffer | None = None
+) -> _Reply | None:
     """Send ``msg`` (if any) and wait for the receiver's answer; None if ``ctl`` failed or fell silent."""
     try:
         if msg is not None:
@@ -104,8 +118,16 @@ async def _reply(ctl: Channel, tid: str, timeout_s: float, clock: Clock) -> _Rep
                 return m
 
 
-async def _stripe(live: list[Channel], view: memoryview, offer: BulkOffer, digests: list[int], want: list[int],
-                  rnd: int, stall_s: float, clock: Clock) -> list[Channel]:  # fmt: skip
+async def _stripe(
+    live: list[Channel],
+    view: memoryview,
+    offer: BulkOffer,
+    digests: list[int],
+    want: list[int],
+    rnd: int,
+    stall_s: float,
+    clock: Clock,
+) -> list[Channel]:
     """Send the wanted frames over every live stream; returns the streams still usable."""
     queue = list(reversed(want))
     dead: list[Channel] = []

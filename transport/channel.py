@@ -56,17 +56,34 @@ _quiet = Throttle(every_s=5.0)
 
 
 class ChannelBase:
-    def __init__(self, peer: str, window: int, max_frame_bytes: int, *, timings: LinkTimings | None = None,
-                 incarnation: int = 0, name: str | None = None, await_peer: bool = False,
-                 seed: int = 0, clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        peer: str,
+        window: int,
+        max_frame_bytes: int,
+        *,
+        timings: LinkTimings | None = None,
+        incarnation: int = 0,
+        name: str | None = None,
+        await_peer: bool = False,
+        seed: int = 0,
+        clock: Clock | None = None,
+    ) -> None:
         self.peer = peer
         self.window = window
         self.max_frame_bytes = max_frame_bytes
         self.clock: Clock = clock or LoopClock()
         """What the channel's link reads ``now`` from and its timers wait on."""
-        self.link: Link[Message] = Link(peer, window=window, timings=timings,
-                                        now=self.clock.now() if timings is not None else 0.0,
-                                        incarnation=incarnation, name=name, await_peer=await_peer, seed=seed)  # fmt: skip
+        self.link: Link[Message] = Link(
+            peer,
+            window=window,
+            timings=timings,
+            now=self.clock.now() if timings is not None else 0.0,
+            incarnation=incarnation,
+            name=name,
+            await_peer=await_peer,
+            seed=seed,
+        )
         self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self._writable = asyncio.Event()
         self._closed_ev = asyncio.Event()
@@ -173,8 +190,9 @@ class ChannelBase:
             elif isinstance(out, Faulted):
                 suppressed = _quiet.allow(self.peer, self.clock.now())
                 if suppressed is not None:
-                    log.warning(BAD_MESSAGE, peer=self.peer, reason=out.reason[:300], suppressed=suppressed,
-                                faults=out.faults)  # fmt: skip
+                    log.warning(
+                        BAD_MESSAGE, peer=self.peer, reason=out.reason[:300], suppressed=suppressed, faults=out.faults
+                    )
             elif isinstance(out, PeerLost):
                 self._lost(out.silent_s)
             elif isinstance(out, PeerRejoined):

@@ -194,8 +194,9 @@ def sdp_fingerprints(sdp: str) -> set[str]:
     return out
 
 
-def encode_pieces(frame: LinkFrame, parts: tuple[bytes | memoryview, ...] = (), *,
-                  last_flags: int = 0, piece_bytes: int = PIECE_BYTES) -> list[bytes]:  # fmt: skip
+def encode_pieces(
+    frame: LinkFrame, parts: tuple[bytes | memoryview, ...] = (), *, last_flags: int = 0, piece_bytes: int = PIECE_BYTES
+) -> list[bytes]:
     """Split one link frame and what follows it into data-channel pieces (see the module docstring):
     every piece but the last is flagged ``MORE``; the last carries ``last_flags`` (``CONTROL`` for a
     control frame, which always fits one piece)."""
@@ -252,11 +253,23 @@ class WebRtcChannel(ChannelBase):
     """One data channel on its own peer connection (see the module docstring): a `ChannelBase`
     whose frames travel as pieces."""
 
-    def __init__(self, node_id: str, peer: str, pc: RTCPeerConnection, dc: RTCDataChannel, cfg: RtcConfig,
-                 clock: Clock | None = None) -> None:  # fmt: skip
-        super().__init__(peer, cfg.window, cfg.max_frame_bytes,
-                         timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
-                         incarnation=new_incarnation(), clock=clock)  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        peer: str,
+        pc: RTCPeerConnection,
+        dc: RTCDataChannel,
+        cfg: RtcConfig,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(
+            peer,
+            cfg.window,
+            cfg.max_frame_bytes,
+            timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
+            incarnation=new_incarnation(),
+            clock=clock,
+        )
         self.pc = pc
         self.dc = dc
         self.cfg = cfg
@@ -370,8 +383,9 @@ class WebRtcTransport:
     """Dials peers and answers offers; channels come out of `connect` and `accept`. ``clock``: what
     its channels' links and its connect timeouts read time from (the node's)."""
 
-    def __init__(self, node_id: str, cfg: RtcConfig | None = None, *, accepting: bool = True,
-                 clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, node_id: str, cfg: RtcConfig | None = None, *, accepting: bool = True, clock: Clock | None = None
+    ) -> None:
         self.node_id = node_id
         self.cfg = cfg or RtcConfig()
         self.clock: Clock = clock or LoopClock()
@@ -424,8 +438,9 @@ class WebRtcTransport:
             async with self.clock.timeout(self.cfg.connect_timeout_s):
                 await pc.setLocalDescription(await pc.createOffer())  # gathers every candidate
                 sdp = pc.localDescription.sdp
-                await via.send(RtcOffer(to=peer, sender=self.node_id, id=cid, sdp=sdp,
-                                        fingerprint=sorted(sdp_fingerprints(sdp))))  # fmt: skip
+                await via.send(
+                    RtcOffer(to=peer, sender=self.node_id, id=cid, sdp=sdp, fingerprint=sorted(sdp_fingerprints(sdp)))
+                )
                 ans = await pending.answer
                 if isinstance(ans, RtcRefused):
                     raise TransportClosed(f"WebRTC peer {peer!r} refused the connection: {ans.reason}")
@@ -501,10 +516,16 @@ class WebRtcTransport:
         if not announced or announced != in_sdp:
             if len(self.refused) < 1000:
                 self.refused.append(peer)
-            log.warning(WEBRTC_FINGERPRINT_MISMATCH, node=self.node_id, peer=peer, announced=sorted(announced)[:4],
-                        sdp=sorted(in_sdp)[:4])  # fmt: skip
-            raise ProtocolError(f"WebRTC peer {peer!r}: DTLS fingerprint in the SDP differs from the one announced",
-                                remote=True)  # fmt: skip
+            log.warning(
+                WEBRTC_FINGERPRINT_MISMATCH,
+                node=self.node_id,
+                peer=peer,
+                announced=sorted(announced)[:4],
+                sdp=sorted(in_sdp)[:4],
+            )
+            raise ProtocolError(
+                f"WebRTC peer {peer!r}: DTLS fingerprint in the SDP differs from the one announced", remote=True
+            )
 
     async def _answer(self, offer: RtcOffer, reply_via: Channel) -> None:
         """Answer one offer. Runs in the transport's task group, so nothing here may raise: an offer
@@ -538,8 +559,9 @@ class WebRtcTransport:
                 await _describe(pc, offer.sdp, "offer", peer)
                 await pc.setLocalDescription(await pc.createAnswer())
                 sdp = pc.localDescription.sdp
-                await reply_via.send(RtcAnswer(to=peer, sender=self.node_id, id=cid, sdp=sdp,
-                                               fingerprint=sorted(sdp_fingerprints(sdp))))  # fmt: skip
+                await reply_via.send(
+                    RtcAnswer(to=peer, sender=self.node_id, id=cid, sdp=sdp, fingerprint=sorted(sdp_fingerprints(sdp)))
+                )
                 dc = await got
                 await _opened(dc)
         except BaseException:

@@ -123,10 +123,17 @@ class ZmqChannel(ChannelBase):
 
     def __init__(self, link: _Endpoint, peer: str, route: bytes | None, *, await_peer: bool = False) -> None:
         cfg = link.cfg
-        super().__init__(peer, cfg.window, cfg.max_frame_bytes,
-                         timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
-                         incarnation=link.incarnation, name=link.node_id, await_peer=await_peer,
-                         seed=next(link.seeds), clock=link.clock)  # fmt: skip
+        super().__init__(
+            peer,
+            cfg.window,
+            cfg.max_frame_bytes,
+            timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
+            incarnation=link.incarnation,
+            name=link.node_id,
+            await_peer=await_peer,
+            seed=next(link.seeds),
+            clock=link.clock,
+        )
         self._link = link
         self._route = route  # ROUTER side: the connection's routing id
         self.rejoined = False
@@ -335,9 +342,16 @@ class ZmqServer(_Endpoint):
     ``clients``: with CurveZMQ, every client public key (Z85) this server lets in, mapped to
     the node name it belongs to; a key not in it is refused by ZAP."""
 
-    def __init__(self, node_id: str, bind: str = "tcp://127.0.0.1:0", *, cfg: LinkConfig | None = None,
-                 curve: CurveKeys | None = None, clients: Mapping[bytes, str] | None = None,
-                 clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        cfg: LinkConfig | None = None,
+        curve: CurveKeys | None = None,
+        clients: Mapping[bytes, str] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         super().__init__(node_id, cfg or LinkConfig(), new_incarnation(), clock)
         if (curve is None) != (clients is None):
             raise ValueError("CurveZMQ needs both the server's keys and the clients' keys")
@@ -358,8 +372,12 @@ class ZmqServer(_Endpoint):
                 self.refused.append(key)
             suppressed = _quiet.allow(f"{self.node_id}/zap", self.clock.now())
             if suppressed is not None:
-                log.warning(CURVE_CLIENT_REFUSED, server=self.node_id, client_key=key.decode(errors="replace"),
-                            suppressed=suppressed)  # fmt: skip
+                log.warning(
+                    CURVE_CLIENT_REFUSED,
+                    server=self.node_id,
+                    client_key=key.decode(errors="replace"),
+                    suppressed=suppressed,
+                )
         return ok
 
     async def start_in(self, tg: asyncio.TaskGroup) -> str:
@@ -472,13 +490,21 @@ class ZmqServer(_Endpoint):
 class ZmqClient(_Endpoint):
     """The dialling side (a child): one channel to its parent."""
 
-    def __init__(self, node_id: str, connect: str, server_id: str, *, cfg: LinkConfig | None = None,
-                 curve: CurveKeys | None = None, server_key: bytes | None = None, incarnation: int | None = None,
-                 clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        connect: str,
+        server_id: str,
+        *,
+        cfg: LinkConfig | None = None,
+        curve: CurveKeys | None = None,
+        server_key: bytes | None = None,
+        incarnation: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         if (curve is None) != (server_key is None):
             raise ValueError("CurveZMQ needs both the client's keys and the server's public key")
-        super().__init__(node_id, cfg or LinkConfig(), new_incarnation() if incarnation is None else incarnation,
-                         clock)  # fmt: skip
+        super().__init__(node_id, cfg or LinkConfig(), new_incarnation() if incarnation is None else incarnation, clock)
         self.connect_addr = connect
         self.server_id = server_id
         self.curve = curve
@@ -538,16 +564,24 @@ class ZmqTransport:
     for its children, and one dialling client per parent it connects to. ``keys``: the node's
     keys (CurveZMQ on when they hold a pair); ``clock``: what its links read time from (the node's)."""
 
-    def __init__(self, node_id: str, *, cfg: LinkConfig | None = None, bind: str | None = None,
-                 keys: NodeKeys | None = None, clock: Clock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        cfg: LinkConfig | None = None,
+        bind: str | None = None,
+        keys: NodeKeys | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.node_id = node_id
         self.cfg = cfg or LinkConfig()
         self.keys = keys or NodeKeys()
         self.clock: Clock = clock or LoopClock()
         curve = self.keys.curve
         clients = {k: n for n, k in self.keys.public.items()} if curve is not None else None
-        self.server = ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, clients=clients,
-                                clock=self.clock) if bind else None  # fmt: skip
+        self.server = (
+            ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, clients=clients, clock=self.clock) if bind else None
+        )
         self.clients: dict[str, ZmqClient] = {}
         self.address = ""
         self._tg: asyncio.TaskGroup | None = None
@@ -577,8 +611,9 @@ class ZmqTransport:
         key = self.keys.public.get(peer) if self.keys.curve is not None else None
         if self.keys.curve is not None and key is None:
             raise ConfigError(f"CurveZMQ to {peer!r} needs its public key")
-        client = ZmqClient(self.node_id, address, peer, cfg=self.cfg, curve=self.keys.curve, server_key=key,
-                           clock=self.clock)  # fmt: skip
+        client = ZmqClient(
+            self.node_id, address, peer, cfg=self.cfg, curve=self.keys.curve, server_key=key, clock=self.clock
+        )
         self.clients[peer] = client
         ch = await client.start_in(self._tg)
         self._forwards[peer] = self._tg.create_task(self._forward(client))  # fresh channels after a restart

@@ -80,8 +80,9 @@ def uses_keys(topo: Topology) -> bool:
 
 def exposed_nodes(topo: Topology) -> list[str]:
     """Nodes that listen on an address other than loopback (they need keys, or ``--insecure``)."""
-    return [n.name for n in topo.nodes
-            if n.listen is not None and (urlsplit(n.listen).hostname or "") not in LOOPBACK_HOSTS]  # fmt: skip
+    return [
+        n.name for n in topo.nodes if n.listen is not None and (urlsplit(n.listen).hostname or "") not in LOOPBACK_HOSTS
+    ]
 
 
 def _where(file: str | None) -> Path:
@@ -112,15 +113,24 @@ def load_node_keys(topo: Topology, name: str, file: str | None) -> NodeKeys:
         (_where(file) / spec.secret_key_file) if spec.secret_key_file else (d / f"{name}.key_secret" if d else None)
     )
     if secret_path is None:
-        raise ConfigError(f"no CurveZMQ secret key for {name!r}: set keys.dir or nodes[{i}].secret_key_file",
-                          file=file, path=f"nodes[{i}]")  # fmt: skip
+        raise ConfigError(
+            f"no CurveZMQ secret key for {name!r}: set keys.dir or nodes[{i}].secret_key_file",
+            file=file,
+            path=f"nodes[{i}]",
+        )
     pub, sec = _read_cert(secret_path, file, f"nodes[{i}].secret_key_file")
     if sec is None:
-        raise ConfigError(f"{secret_path} holds no secret key (give the .key_secret file)", file=file,
-                          path=f"nodes[{i}].secret_key_file")  # fmt: skip
+        raise ConfigError(
+            f"{secret_path} holds no secret key (give the .key_secret file)",
+            file=file,
+            path=f"nodes[{i}].secret_key_file",
+        )
     if pub != public[name]:
-        raise ConfigError(f"the key pair in {secret_path} does not match node {name!r}'s public key", file=file,
-                          path=f"nodes[{i}].public_key")  # fmt: skip
+        raise ConfigError(
+            f"the key pair in {secret_path} does not match node {name!r}'s public key",
+            file=file,
+            path=f"nodes[{i}].public_key",
+        )
     trainer = topo.trainer.name
     verifier = _signing_public(topo, d, file)
     signer = None
@@ -131,8 +141,11 @@ def load_node_keys(topo: Topology, name: str, file: str | None) -> NodeKeys:
         elif d is not None:
             sign_path = d / f"{trainer}.sign"
         else:
-            raise ConfigError("the trainer needs its signing key: set keys.dir or keys.signing_key_file", file=file,
-                              path="keys.signing_key_file")  # fmt: skip
+            raise ConfigError(
+                "the trainer needs its signing key: set keys.dir or keys.signing_key_file",
+                file=file,
+                path="keys.signing_key_file",
+            )
         signer = read_signing_secret(sign_path, file)
         if signer.public_key().public_bytes_raw() != verifier.public_bytes_raw():
             raise ConfigError(f"{sign_path} does not match the trainer's public signing key", file=file, path="keys")
@@ -169,8 +182,11 @@ def _public_of(topo: Topology, name: str, d: Path | None, file: str | None) -> b
     if spec.public_key is not None:
         return spec.public_key.encode()
     if d is None:
-        raise ConfigError(f"no CurveZMQ public key for {name!r}: set keys.dir or nodes[{i}].public_key", file=file,
-                          path=f"nodes[{i}].public_key")  # fmt: skip
+        raise ConfigError(
+            f"no CurveZMQ public key for {name!r}: set keys.dir or nodes[{i}].public_key",
+            file=file,
+            path=f"nodes[{i}].public_key",
+        )
     pub, _ = _read_cert(d / f"{name}.key", file, "keys.dir")
     return pub
 
@@ -192,8 +208,9 @@ def _signing_public(topo: Topology, d: Path | None, file: str | None) -> Ed25519
     try:
         text = path.read_text().strip()
     except OSError as e:
-        raise ConfigError(f"cannot read the trainer's public signing key {path}: {e.strerror}", file=file,
-                          path="keys.dir") from None  # fmt: skip
+        raise ConfigError(
+            f"cannot read the trainer's public signing key {path}: {e.strerror}", file=file, path="keys.dir"
+        ) from None
     return _public_from_hex(text, str(path), "")
 
 
@@ -211,8 +228,9 @@ def read_signing_secret(path: Path, file: str | None = None) -> Ed25519PrivateKe
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except OSError as e:
-        raise ConfigError(f"cannot read the trainer's signing key {path}: {e.strerror}", file=file,
-                          path="keys.dir") from None  # fmt: skip
+        raise ConfigError(
+            f"cannot read the trainer's signing key {path}: {e.strerror}", file=file, path="keys.dir"
+        ) from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path} is not a PEM Ed25519 private key: {e}", file=file, path="keys.dir") from None
     if not isinstance(key, Ed25519PrivateKey):
@@ -237,10 +255,15 @@ def _write_public(path: Path, data: bytes) -> None:
 
 def _cert(public: bytes, secret: bytes | None) -> bytes:
     kind = "Secret" if secret is not None else "Public"
-    lines = [f"#   ZeroMQ CURVE **{kind}** Certificate (written by aurora keys generate)",
-             *(["#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions."] if secret else []),
-             "", "metadata", "curve", f'    public-key = "{public.decode()}"',
-             *([f'    secret-key = "{secret.decode()}"'] if secret is not None else [])]  # fmt: skip
+    lines = [
+        f"#   ZeroMQ CURVE **{kind}** Certificate (written by aurora keys generate)",
+        *(["#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions."] if secret else []),
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode()}"',
+        *([f'    secret-key = "{secret.decode()}"'] if secret is not None else []),
+    ]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -263,8 +286,7 @@ def generate_signing_pair(d: Path, name: str) -> tuple[Path, Path, str]:
         if f.exists():
             raise FileExistsError(f"{f} exists; refusing to overwrite a key")
     key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())  # fmt: skip
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     write_secret(sec_path, pem)
     hexkey = signing_public_hex(key.public_key())
     _write_public(pub_path, (hexkey + "\n").encode())

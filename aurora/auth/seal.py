@@ -159,8 +159,9 @@ class Sealer:
     def signs(self) -> bool:
         return self.key is not None
 
-    def seal(self, *, v: int, base: int | None, digest: bytes, layout: bytes, state: bytes | None,
-             delta: bytes | None) -> SealWire:  # fmt: skip
+    def seal(
+        self, *, v: int, base: int | None, digest: bytes, layout: bytes, state: bytes | None, delta: bytes | None
+    ) -> SealWire:
         body = _encoder.encode(Seal(SEAL_FORMAT, self.run, v, base, digest, layout, state or NO_HASH, delta))
         sig = NO_SIGNATURE if self.key is None else self.key.sign(_DOMAIN + body)
         return SealWire(body, sig)

@@ -118,16 +118,29 @@ def speed_row(workload: str, b: Weights, t: Weights, reps: int, threads: int) ->
     runs = [(1, Coding.CONDITIONED), (threads, Coding.CONDITIONED), (1, Coding.SPARSE)]
     gbps = [nbytes / _best(enc(n, c), reps) / 1e9 for n, c in runs]
     gbps_app = [nbytes / max(_best(app(n, c), reps) - t_copy, 1e-9) / 1e9 for n, c in runs]
-    return SpeedRow(workload, nbytes, gbps[0], gbps_app[0], nbytes / t_copy / 1e9, threads, gbps[1], gbps_app[1],
-                    gbps[2], gbps_app[2])  # fmt: skip
+    return SpeedRow(
+        workload,
+        nbytes,
+        gbps[0],
+        gbps_app[0],
+        nbytes / t_copy / 1e9,
+        threads,
+        gbps[1],
+        gbps_app[1],
+        gbps[2],
+        gbps_app[2],
+    )
 
 
 def coding_speed(speed: SpeedRow, at: SizeRow, itemsize: int = 2) -> CodecSpeed:
     """The rule's inputs (`aurora.codec.choice`) from this run: encode + apply seconds per element of
     each coding (one core), bytes per change of each on the workload ``at``."""
-    return CodecSpeed(itemsize / 1e9 / speed.encode_gbps + itemsize / 1e9 / speed.apply_gbps,
-                      itemsize / 1e9 / speed.encode_gbps_sparse + itemsize / 1e9 / speed.apply_gbps_sparse,
-                      at.ours, at.sparse)  # fmt: skip
+    return CodecSpeed(
+        itemsize / 1e9 / speed.encode_gbps + itemsize / 1e9 / speed.apply_gbps,
+        itemsize / 1e9 / speed.encode_gbps_sparse + itemsize / 1e9 / speed.apply_gbps_sparse,
+        at.ours,
+        at.sparse,
+    )
 
 
 def run(
@@ -141,8 +154,10 @@ def run(
         for lr in (1e-6, 1e-5):
             vs = [Weights.from_tensors(v) for v in trained_versions(lr, steps, dim=dim, layers=layers)]
             params = sum(w.bits.size for w in vs[0].values())
-            progress(f"trained a {params / 1e6:.1f}M-parameter transformer ({len(vs[0])} tensors) for {steps} "
-                     f"AdamW steps at lr {lr:g}")  # fmt: skip
+            progress(
+                f"trained a {params / 1e6:.1f}M-parameter transformer ({len(vs[0])} tensors) for {steps} "
+                f"AdamW steps at lr {lr:g}"
+            )
             sizes.extend(
                 size_row(f"{params / 1e6:.0f}M lr={lr:g} step {i}", vs[i - 1], vs[i]) for i in range(1, len(vs))
             )
@@ -154,8 +169,13 @@ def run(
     progress(f"timing encode/apply on {n_speed * 2 / 2**20:.0f} MiB of bf16 weights at 1% density ...")
     b, t = synthetic_pair(n_speed, 0.01, seed=2)
     threads = max(1, min(4, os.cpu_count() or 1))
-    speed = speed_row(f"synthetic {0.01:.1%}", Weights.from_tensors(b), Weights.from_tensors(t), reps=2 if quick else 3,
-                      threads=threads)  # fmt: skip
+    speed = speed_row(
+        f"synthetic {0.01:.1%}",
+        Weights.from_tensors(b),
+        Weights.from_tensors(t),
+        reps=2 if quick else 3,
+        threads=threads,
+    )
     result: dict[str, object] = {"sizes": [asdict(r) for r in sizes], "speed": asdict(speed)}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))

@@ -87,8 +87,9 @@ def device_row(n: int, device: str, *, density: float, threads: int, reps: int, 
     )
 
 
-def run_device(sizes: list[int], device: str, *, density: float = 0.01, threads: int = 1,
-               progress: Callable[[str], None] = print) -> list[DeviceRow]:  # fmt: skip
+def run_device(
+    sizes: list[int], device: str, *, density: float = 0.01, threads: int = 1, progress: Callable[[str], None] = print
+) -> list[DeviceRow]:
     rows = []
     for i, n in enumerate(sizes):
         progress(f"{n / 2**20:.0f} M elements on {device} at {density:.0%} ...")
@@ -98,15 +99,21 @@ def run_device(sizes: list[int], device: str, *, density: float = 0.01, threads:
 
 
 def format_device(rows: list[DeviceRow], density: float, threads: int) -> str:
-    lines = [f"codec device path: bf16, {density:.0%} of positions stepped by ±1–2 ULP; GB/s of weights; "
-             f"range coder on {threads} host thread(s)",
-             f"{'elements':>9}{'device':>8}{'delta MB':>10}{'copy':>8}{'passes':>8}{'encode':>8}{'apply':>8}"
-             f"{'enc/cp':>8}{'app/cp':>8}  same bytes as CPU"]  # fmt: skip
+    lines = [
+        f"codec device path: bf16, {density:.0%} of positions stepped by ±1–2 ULP; GB/s of weights; "
+        f"range coder on {threads} host thread(s)",
+        f"{'elements':>9}{'device':>8}{'delta MB':>10}{'copy':>8}{'passes':>8}{'encode':>8}{'apply':>8}"
+        f"{'enc/cp':>8}{'app/cp':>8}  same bytes as CPU",
+    ]
     for r in rows:
         same = "-" if r.same_bytes is None else ("yes" if r.same_bytes else "NO")
-        lines.append(f"{r.elements / 2**20:>8.0f}M{r.device:>8}{r.delta_bytes / 1e6:>10.2f}{r.copy_gbps:>8.1f}"
-                     f"{r.find_gbps:>8.2f}{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}{r.encode_gbps / r.copy_gbps:>8.3f}"
-                     f"{r.apply_gbps / r.copy_gbps:>8.3f}  {same}")  # fmt: skip
-    lines.append("copy: torch copy_ on the device; passes: the device's scans alone; encode/apply: whole, with the "
-                 "host digests read back")  # fmt: skip
+        lines.append(
+            f"{r.elements / 2**20:>8.0f}M{r.device:>8}{r.delta_bytes / 1e6:>10.2f}{r.copy_gbps:>8.1f}"
+            f"{r.find_gbps:>8.2f}{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}{r.encode_gbps / r.copy_gbps:>8.3f}"
+            f"{r.apply_gbps / r.copy_gbps:>8.3f}  {same}"
+        )
+    lines.append(
+        "copy: torch copy_ on the device; passes: the device's scans alone; encode/apply: whole, with the "
+        "host digests read back"
+    )
     return "\n".join(lines)

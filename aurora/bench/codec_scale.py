@@ -76,8 +76,9 @@ def _rne_bf16_bits(f: np.ndarray) -> np.ndarray:
     return ((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
-def _tensor_pairs(n: int, seed: int, make: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
-                  ) -> tuple[Weights, Weights]:  # fmt: skip
+def _tensor_pairs(
+    n: int, seed: int, make: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+) -> tuple[Weights, Weights]:
     """``n`` bf16 elements as a base and a target in tensors of `TENSOR` elements, each tensor's two bit
     arrays made by ``make(rng, size)`` (slice by slice: no float32 copy of the whole set)."""
     rng = np.random.default_rng(seed)
@@ -119,8 +120,21 @@ def step_pair(n: int, density: float, seed: int) -> tuple[Weights, Weights]:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_in_use() -> Callable[[], int] | None:
@@ -215,13 +229,33 @@ def scale_rows(n: int, workload: str, threads: int, reps: int) -> list[ScaleRow]
         app_peak = _peak_added_mb(app(threads))
         copy_all(work, base)
         work.forget_digests()
-        rows.append(ScaleRow(n, d.nbytes, threads, gb / t_copy, e1, a1, ea, aa, enc_peak, app_peak, workload,
-                             coding.value, d.stats.density))  # fmt: skip
+        rows.append(
+            ScaleRow(
+                n,
+                d.nbytes,
+                threads,
+                gb / t_copy,
+                e1,
+                a1,
+                ea,
+                aa,
+                enc_peak,
+                app_peak,
+                workload,
+                coding.value,
+                d.stats.density,
+            )
+        )
     return rows
 
 
-def run_scale(sizes: list[int], *, workloads: Sequence[str] = WORKLOADS, threads: int | None = None,
-              progress: Callable[[str], None] = print) -> list[ScaleRow]:  # fmt: skip
+def run_scale(
+    sizes: list[int],
+    *,
+    workloads: Sequence[str] = WORKLOADS,
+    threads: int | None = None,
+    progress: Callable[[str], None] = print,
+) -> list[ScaleRow]:
     torch.set_num_threads(1)
     threads = threads or len(os.sched_getaffinity(0))
     rows = []
@@ -238,19 +272,25 @@ def run_scale(sizes: list[int], *, workloads: Sequence[str] = WORKLOADS, threads
 
 def format_scale(rows: list[ScaleRow]) -> str:
     t = rows[0].threads if rows else 1
-    head = (f"{'elements':>9} {'workload':<14}{'density':>8} {'coding':<12}{'delta MB':>9}{'memcpy':>8}{'enc 1t':>8}"
-            f"{'app 1t':>8}{'enc/cp':>8}{'app/cp':>8}{f'enc {t}t':>8}{f'app {t}t':>8}{'x1t':>6}"
-            + "".join(f"{f'/wire {k}':>17}" for k in LINKS) + f"{'enc +MB':>9}{'app +MB':>9}")  # fmt: skip
+    head = (
+        f"{'elements':>9} {'workload':<14}{'density':>8} {'coding':<12}{'delta MB':>9}{'memcpy':>8}{'enc 1t':>8}"
+        f"{'app 1t':>8}{'enc/cp':>8}{'app/cp':>8}{f'enc {t}t':>8}{f'app {t}t':>8}{'x1t':>6}"
+        + "".join(f"{f'/wire {k}':>17}" for k in LINKS)
+        + f"{'enc +MB':>9}{'app +MB':>9}"
+    )
     lines = ["codec at scale, bf16; GB/s of weights", head, "-" * len(head)]
     for r in rows:
         speedup = (r.encode_gbps_all / r.encode_gbps + r.apply_gbps_all / r.apply_gbps) / 2
-        wire = "".join(f"{r.codec_over_wire(bps, False):>8.1f}x/{r.codec_over_wire(bps, True):>6.1f}x"
-                       for bps in LINKS.values())  # fmt: skip
-        lines.append(f"{r.elements / 2**20:>8.0f}M {r.workload:<14}{r.density:>8.2%} {r.coding:<12}"
-                     f"{r.delta_bytes / 1e6:>9.2f}{r.memcpy_gbps:>8.2f}{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}"
-                     f"{r.encode_gbps / r.memcpy_gbps:>8.2f}{r.apply_gbps / r.memcpy_gbps:>8.2f}"
-                     f"{r.encode_gbps_all:>8.2f}{r.apply_gbps_all:>8.2f}{speedup:>6.2f}{wire}"
-                     f"{r.encode_peak_mb:>9.0f}{r.apply_peak_mb:>9.0f}")  # fmt: skip
+        wire = "".join(
+            f"{r.codec_over_wire(bps, False):>8.1f}x/{r.codec_over_wire(bps, True):>6.1f}x" for bps in LINKS.values()
+        )
+        lines.append(
+            f"{r.elements / 2**20:>8.0f}M {r.workload:<14}{r.density:>8.2%} {r.coding:<12}"
+            f"{r.delta_bytes / 1e6:>9.2f}{r.memcpy_gbps:>8.2f}{r.encode_gbps:>8.2f}{r.apply_gbps:>8.2f}"
+            f"{r.encode_gbps / r.memcpy_gbps:>8.2f}{r.apply_gbps / r.memcpy_gbps:>8.2f}"
+            f"{r.encode_gbps_all:>8.2f}{r.apply_gbps_all:>8.2f}{speedup:>6.2f}{wire}"
+            f"{r.encode_peak_mb:>9.0f}{r.apply_peak_mb:>9.0f}"
+        )
     lines += [
         "workload: uniform 1% = 1 % of positions, uniform, +-1-2 ULP; AdamW lr 1e-6 = fp32 masters moved by an Adam-sized",
         "update and cast to bf16 (its own density). memcpy: a copy of the same weights in the same run (one thread);",
@@ -324,7 +364,9 @@ def kernel_profile(n: int = 16 << 20, density: float = 0.01, reps: int = 3) -> l
 
 
 def format_kernels(rows: list[KernelRow], n: int, density: float) -> str:
-    lines = [f"kernels alone, one thread, one bf16 span of {n / 2**20:.0f} M elements at {density:.0%} (best of 3):",
-             f"{'kernel':<30}{'ms':>8}{'ns/element':>12}{'ns/change':>11}"]  # fmt: skip
+    lines = [
+        f"kernels alone, one thread, one bf16 span of {n / 2**20:.0f} M elements at {density:.0%} (best of 3):",
+        f"{'kernel':<30}{'ms':>8}{'ns/element':>12}{'ns/change':>11}",
+    ]
     lines += [f"{r.kernel:<30}{r.seconds * 1e3:>8.1f}{r.per_element_ns:>12.2f}{r.per_change_ns:>11.0f}" for r in rows]
     return "\n".join(lines)

@@ -85,8 +85,9 @@ def cpu_per_step(path: Path, first: int, last: int, roles: dict[str, str]) -> di
     return out
 
 
-def measure(state: Path, trainer: str, rollouts: list[str], warmup: int,
-            roles: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def measure(
+    state: Path, trainer: str, rollouts: list[str], warmup: int, roles: dict[str, str] | None = None
+) -> dict[str, Any]:
     events = read_events(state / f"{trainer}.log")
     steps = [e for e in events if e.get("event") == STEP]
     if len(steps) <= warmup + 1:
@@ -109,14 +110,23 @@ def measure(state: Path, trainer: str, rollouts: list[str], warmup: int,
         return sum(vals) / len(vals) if vals else None
 
     trust = _trust(state, trainer, [n for n, role in (roles or {}).items() if role != "trainer"], events, t0, t1)
-    return {**trust, "tokens_s": tokens / (t1 - t0), "steps_s": (len(steps) - 1 - warmup) / (t1 - t0),
-            "window_s": t1 - t0, "paused": sum(paused) / len(paused), "sync_ms": (mean("sync_s") or 0.0) * 1e3,
-            "delta_kb": (mean("bytes") or 0.0) / 1e3, "density": mean("density"), "reward": mean("reward"),
-            "cpu_ms_per_step": cpu}  # fmt: skip
+    return {
+        **trust,
+        "tokens_s": tokens / (t1 - t0),
+        "steps_s": (len(steps) - 1 - warmup) / (t1 - t0),
+        "window_s": t1 - t0,
+        "paused": sum(paused) / len(paused),
+        "sync_ms": (mean("sync_s") or 0.0) * 1e3,
+        "delta_kb": (mean("bytes") or 0.0) / 1e3,
+        "density": mean("density"),
+        "reward": mean("reward"),
+        "cpu_ms_per_step": cpu,
+    }
 
 
-def _trust(state: Path, trainer: str, others: list[str], events: list[dict[str, Any]], t0: float,
-           t1: float) -> dict[str, Any]:  # fmt: skip
+def _trust(
+    state: Path, trainer: str, others: list[str], events: list[dict[str, Any]], t0: float, t1: float
+) -> dict[str, Any]:
     """What authenticating versions and results cost, from the logs within the timed window: the
     trainer's seal per version (state hash waited for + signature) against its publish time, each
     node's seal check per commit, and the coordinator's checks per result."""
@@ -125,23 +135,30 @@ def _trust(state: Path, trainer: str, others: list[str], events: list[dict[str, 
         return t0 <= event_time(e) <= t1
 
     pubs = [e for e in events if e.get("event") == VERSION_PUBLISHED and e.get("seal_s") is not None and within(e)]
-    commits = [e for n in others for e in read_events(state / f"{n}.log")
-               if e.get("event") == VERSION_COMMITTED and e.get("verify_s") is not None and within(e)]  # fmt: skip
+    commits = [
+        e
+        for n in others
+        for e in read_events(state / f"{n}.log")
+        if e.get("event") == VERSION_COMMITTED and e.get("verify_s") is not None and within(e)
+    ]
     checks = [e["validate_us"] for e in events if e.get("event") == STEP and e.get("validate_us") is not None]
 
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
     seal = mean([float(e["seal_s"]) + float(e.get("hash_wait_s", 0.0)) for e in pubs])
-    return {"seal_ms": None if seal is None else 1e3 * seal,
-            "publish_ms": None if not pubs else 1e3 * sum(float(e["publish_s"]) for e in pubs) / len(pubs),
-            "verify_ms": None if not commits else 1e3 * sum(float(e["verify_s"]) for e in commits) / len(commits),
-            "verified_by": sorted({str(e.get("verified")) for e in commits}),
-            "validate_us": checks[-1] if checks else None}  # fmt: skip
+    return {
+        "seal_ms": None if seal is None else 1e3 * seal,
+        "publish_ms": None if not pubs else 1e3 * sum(float(e["publish_s"]) for e in pubs) / len(pubs),
+        "verify_ms": None if not commits else 1e3 * sum(float(e["verify_s"]) for e in commits) / len(commits),
+        "verified_by": sorted({str(e.get("verified")) for e in commits}),
+        "validate_us": checks[-1] if checks else None,
+    }
 
 
-def bench(topology: Path, *, steps: int = 40, warmup: int = 5,
-          progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def bench(
+    topology: Path, *, steps: int = 40, warmup: int = 5, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
     raw = yaml.safe_load(topology.read_text())
     topo = load_topology(topology)
     rollouts = [n.name for n in topo.nodes if n.role == "rollout"]
@@ -164,32 +181,43 @@ def bench(topology: Path, *, steps: int = 40, warmup: int = 5,
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [f"aurora bench rl: {r['topology']}, {r['steps']} steps (the first {r['warmup']} not timed), "
-             "fixed-length generation",
-             f"{'run':<6} {'tokens/s':>9} {'steps/s':>8} {'paused':>7} {'sync ms':>8} {'delta kB':>9} {'changed':>8}"]  # fmt: skip
+    lines = [
+        f"aurora bench rl: {r['topology']}, {r['steps']} steps (the first {r['warmup']} not timed), "
+        "fixed-length generation",
+        f"{'run':<6} {'tokens/s':>9} {'steps/s':>8} {'paused':>7} {'sync ms':>8} {'delta kB':>9} {'changed':>8}",
+    ]
     for mode in ("sync", "ideal"):
         m = r[mode]
         changed = "-" if m["density"] is None else f"{100 * m['density']:.1f} %"
-        lines.append(f"{mode:<6} {m['tokens_s']:>9.0f} {m['steps_s']:>8.2f} {100 * m['paused']:>6.2f}% "
-                     f"{m['sync_ms']:>8.0f} {m['delta_kb']:>9.1f} {changed:>8}")  # fmt: skip
-    lines.append(f"sync / ideal tokens/s: {r['ratio']:.3f} (target >= 0.95); generation paused for switches: "
-                 f"{100 * r['sync']['paused']:.2f} % of wall time (target <= 2 %)")  # fmt: skip
+        lines.append(
+            f"{mode:<6} {m['tokens_s']:>9.0f} {m['steps_s']:>8.2f} {100 * m['paused']:>6.2f}% "
+            f"{m['sync_ms']:>8.0f} {m['delta_kb']:>9.1f} {changed:>8}"
+        )
+    lines.append(
+        f"sync / ideal tokens/s: {r['ratio']:.3f} (target >= 0.95); generation paused for switches: "
+        f"{100 * r['sync']['paused']:.2f} % of wall time (target <= 2 %)"
+    )
     s = r["sync"]
     if s.get("seal_ms") is not None and s.get("publish_ms"):
-        lines.append(f"trust: sealing a version (state hash waited for + Ed25519) {s['seal_ms']:.2f} ms = "
-                     f"{100 * s['seal_ms'] / s['publish_ms']:.1f} % of its publish ({s['publish_ms']:.1f} ms); "
-                     f"a node's seal check per commit {s['verify_ms'] or 0:.2f} ms "
-                     f"(verified by {'/'.join(s['verified_by'])}); result checks {s['validate_us'] or 0:.0f} µs "
-                     "per result")  # fmt: skip
+        lines.append(
+            f"trust: sealing a version (state hash waited for + Ed25519) {s['seal_ms']:.2f} ms = "
+            f"{100 * s['seal_ms'] / s['publish_ms']:.1f} % of its publish ({s['publish_ms']:.1f} ms); "
+            f"a node's seal check per commit {s['verify_ms'] or 0:.2f} ms "
+            f"(verified by {'/'.join(s['verified_by'])}); result checks {s['validate_us'] or 0:.0f} µs "
+            "per result"
+        )
     cpu = {mode: r[mode].get("cpu_ms_per_step") for mode in ("sync", "ideal")}
     if cpu["sync"] and cpu["ideal"]:
         cols = [c for c in ("trainer", "relay", "rollout", "all") if c in cpu["sync"] and c in cpu["ideal"]]
         lines.append("CPU ms per step: a node of each role (mean), and all nodes together")
         lines.append(f"{'run':<6} " + " ".join(f"{c:>9}" for c in cols))
-        lines.extend(f"{mode:<6} " + " ".join(f"{cpu[mode][c]:>9.0f}" for c in cols)  # type: ignore[index]
-                     for mode in ("sync", "ideal"))  # fmt: skip
-        lines.append(f"{'extra':<6} " + " ".join(f"{100 * (cpu['sync'][c] / cpu['ideal'][c] - 1):>8.0f}%"
-                                                  for c in cols))  # fmt: skip
+        lines.extend(
+            f"{mode:<6} " + " ".join(f"{cpu[mode][c]:>9.0f}" for c in cols)  # type: ignore[index]
+            for mode in ("sync", "ideal")
+        )
+        lines.append(
+            f"{'extra':<6} " + " ".join(f"{100 * (cpu['sync'][c] / cpu['ideal'][c] - 1):>8.0f}%" for c in cols)
+        )
     return "\n".join(lines)
 
 

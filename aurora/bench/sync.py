@@ -121,25 +121,34 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
     for r, region in enumerate(REGIONS):
         parent = "trainer"
         if r and c.tree:
-            nodes.append(f'  - {{name: relay-{region}, role: relay, region: {region}, '
-                         f'listen: "tcp://{_addr(r)}:47001", parent: trainer}}')  # fmt: skip
+            nodes.append(
+                f"  - {{name: relay-{region}, role: relay, region: {region}, "
+                f'listen: "tcp://{_addr(r)}:47001", parent: trainer}}'
+            )
             parent = f"relay-{region}"
-        nodes += [f"  - {{name: rollout-{region}-{i + 1}, role: rollout, region: {region}, parent: {parent}}}"
-                  for i in range(c.rollouts)]  # fmt: skip
+        nodes += [
+            f"  - {{name: rollout-{region}-{i + 1}, role: rollout, region: {region}, parent: {parent}}}"
+            for i in range(c.rollouts)
+        ]
     wan = [f"  - {{regions: [us, {r}], bandwidth_mbit: {LINK_MBIT:g}, rtt_ms: {LINK_RTT_MS:g}}}" for r in REGIONS[1:]]
-    return "\n".join([
-        f"name: bench-sync-{'full' if c.full else 'delta'}-{'tree' if c.tree else 'star'}",
-        "regions:", *[f"  - {{name: {r}, rtt_ms: {LAN_RTT_MS:g}}}" for r in REGIONS],
-        "wan:", *wan,
-        "nodes:", *nodes,
-        # generous liveness: two cores carry every node, and full-weight decodes are long
-        "heartbeat: {interval_s: 0.5, suspect_after_s: 3.0, lost_after_s: 8.0}",
-        "keys: {dir: keys}",  # the nodes listen on the emulator's private addresses: authenticated, signed
-        f"learner: {{kind: synthetic, params: {c.params}, tensors: 8, density: {c.density}, interval_s: {interval_s}}}",
-        f"sync: {{full_weights: {'true' if c.full else 'false'}, coding: {c.coding}}}",
-        f"run: {{steps: {steps}}}",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"name: bench-sync-{'full' if c.full else 'delta'}-{'tree' if c.tree else 'star'}",
+            "regions:",
+            *[f"  - {{name: {r}, rtt_ms: {LAN_RTT_MS:g}}}" for r in REGIONS],
+            "wan:",
+            *wan,
+            "nodes:",
+            *nodes,
+            # generous liveness: two cores carry every node, and full-weight decodes are long
+            "heartbeat: {interval_s: 0.5, suspect_after_s: 3.0, lost_after_s: 8.0}",
+            "keys: {dir: keys}",  # the nodes listen on the emulator's private addresses: authenticated, signed
+            f"learner: {{kind: synthetic, params: {c.params}, tensors: 8, density: {c.density}, interval_s: {interval_s}}}",
+            f"sync: {{full_weights: {'true' if c.full else 'false'}, coding: {c.coding}}}",
+            f"run: {{steps: {steps}}}",
+            "",
+        ]
+    )
 
 
 class _Cluster:
@@ -157,8 +166,18 @@ class _Cluster:
         self._polls = 0
 
     def start(self, name: str, region: str) -> None:
-        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
-                "--name", name]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "aurora",
+            "--log-format",
+            "json",
+            "node",
+            "--topology",
+            str(self.path),
+            "--name",
+            name,
+        ]
         with (self.work / f"{name}.log").open("wb") as err:
             self.procs[name] = self.hosts[region].popen(argv, stdout=subprocess.DEVNULL, stderr=err)
 
@@ -222,8 +241,10 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
     interval = max(2.0, (1.5 if c.full else 3.0) * (cpu + est) + 1.0)
     steps = 1_000_000  # the trainer keeps publishing; the cluster is stopped once enough versions are timed
     cl = _Cluster(hosts, c, work, interval, steps)
-    progress(f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s "
-             f"(calibrated: encode {enc * 1e3:.0f} ms, decode {dec * 1e3:.0f} ms)")  # fmt: skip
+    progress(
+        f"  {c.name}: {c.params / 1e6:g}M params, density {c.density:g}, a version every {interval:.1f} s "
+        f"(calibrated: encode {enc * 1e3:.0f} ms, decode {dec * 1e3:.0f} ms)"
+    )
     try:
         cl.start("trainer", "us")
         cl.wait(lambda: bool(cl.events("trainer", NODE_STARTED)), START_TIMEOUT_S, "the trainer to start")
@@ -237,8 +258,11 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         cl.wait(lambda: all(cl.events(n, PARENT_ATTACHED) for n, _ in rollouts), START_TIMEOUT_S, "the rollouts")
         others = [n for n, _ in relays + rollouts]
         # ready once every node holds weights (its first commit: the snapshot it got on attaching)
-        cl.wait(lambda: all(cl.events(n, VERSION_COMMITTED) for n in others), START_TIMEOUT_S + 20 * est,
-                "every node's first weights")  # fmt: skip
+        cl.wait(
+            lambda: all(cl.events(n, VERSION_COMMITTED) for n in others),
+            START_TIMEOUT_S + 20 * est,
+            "every node's first weights",
+        )
         ready = max(event_time(cl.events(n, VERSION_COMMITTED)[0]) for n in others)
 
         def timed() -> dict[int, tuple[int, float]]:
@@ -268,8 +292,19 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
     rate = LINK_MBIT * 1e6 / 8
     lower = nbytes * copies / rate + depth * LINK_RTT_MS / 1e3
     floor = nbytes * copies / rate + LINK_RTT_MS / 2e3
-    return Result(c, nbytes, secs, len(counted), lower, floor, cpu_per_version, enc, dec, max(peaks, default=0.0),
-                  cl.peak_total_mb)  # fmt: skip
+    return Result(
+        c,
+        nbytes,
+        secs,
+        len(counted),
+        lower,
+        floor,
+        cpu_per_version,
+        enc,
+        dec,
+        max(peaks, default=0.0),
+        cl.peak_total_mb,
+    )
 
 
 def _emulator() -> tuple[Wan, dict[str, Host]]:
@@ -288,15 +323,26 @@ def _emulator() -> tuple[Wan, dict[str, Host]]:
         raise
 
 
-def configs(params: list[int], densities: list[float], *, kinds: Sequence[str] = KINDS,
-            codings: Sequence[str] = ("auto",), rollouts: int = ROLLOUTS_PER_REGION) -> list[Config]:  # fmt: skip
+def configs(
+    params: list[int],
+    densities: list[float],
+    *,
+    kinds: Sequence[str] = KINDS,
+    codings: Sequence[str] = ("auto",),
+    rollouts: int = ROLLOUTS_PER_REGION,
+) -> list[Config]:
     """What to measure, in order: per size, the full-weight kinds once (they do not depend on the
     density or the coding), then each delta kind per density and coding."""
     out = []
     for p in params:
         out += [Config(p, densities[0], True, k == "full-tree", rollouts=rollouts) for k in KINDS[:2] if k in kinds]
-        out += [Config(p, d, False, k == "delta-tree", coding, rollouts) for d in densities for coding in codings
-                for k in KINDS[2:] if k in kinds]  # fmt: skip
+        out += [
+            Config(p, d, False, k == "delta-tree", coding, rollouts)
+            for d in densities
+            for coding in codings
+            for k in KINDS[2:]
+            if k in kinds
+        ]
     return out
 
 
@@ -315,30 +361,41 @@ def run(plan: list[Config], *, versions: int = 3, progress: Callable[[str], None
             work.mkdir()
             results.append(measure(hosts, c, work, versions=versions, progress=progress))
             r = results[-1]
-            progress(f"    {r.seconds * 1e3:.0f} ms (lower bound {r.lower_bound_s * 1e3:.0f} ms, floor {r.floor_s * 1e3:.0f} ms), "
-                     f"{r.bytes / 1e6:.2f} MB per version; peak memory {r.peak_node_mb:.0f} MB in one node, "
-                     f"{r.peak_sum_mb:.0f} MB all nodes at once")  # fmt: skip
+            progress(
+                f"    {r.seconds * 1e3:.0f} ms (lower bound {r.lower_bound_s * 1e3:.0f} ms, floor {r.floor_s * 1e3:.0f} ms), "
+                f"{r.bytes / 1e6:.2f} MB per version; peak memory {r.peak_node_mb:.0f} MB in one node, "
+                f"{r.peak_sum_mb:.0f} MB all nodes at once"
+            )
     return results
 
 
 def table(results: list[Result]) -> str:
     cores = os.cpu_count() or 1
     width = max([len(r.config.name) for r in results] + [16])
-    head = (f"{'params':>7} {'density':>7}  {'config':<{width}} {'nodes':>5} {'MB/version':>10} {'time ms':>8} "
-            f"{'bound ms':>8} {'ratio':>5} {'floor ms':>8} {'vs full star':>12}  {'CPU s/version':>13} {'enc ms':>6} "
-            f"{'dec ms':>6} {'peak MB':>8} {'all MB':>7}")  # fmt: skip
+    head = (
+        f"{'params':>7} {'density':>7}  {'config':<{width}} {'nodes':>5} {'MB/version':>10} {'time ms':>8} "
+        f"{'bound ms':>8} {'ratio':>5} {'floor ms':>8} {'vs full star':>12}  {'CPU s/version':>13} {'enc ms':>6} "
+        f"{'dec ms':>6} {'peak MB':>8} {'all MB':>7}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
-        full_star = next((x for x in results if x.config.params == r.config.params and x.config.full
-                          and not x.config.tree), None)  # fmt: skip
+        full_star = next(
+            (x for x in results if x.config.params == r.config.params and x.config.full and not x.config.tree), None
+        )
         vs = f"{full_star.seconds / r.seconds:>11.1f}x" if full_star is not None else f"{'-':>12}"
         density = "-" if r.config.full else f"{r.config.density:g}"
-        lines.append(f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<{width}} {r.config.nodes + 1:>5} "
-                     f"{r.bytes / 1e6:>10.3f} {r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} "
-                     f"{r.floor_s * 1e3:>8.0f} {vs}  {r.cpu_s:>13.2f} {r.encode_s * 1e3:>6.0f} "
-                     f"{r.decode_s * 1e3:>6.0f} {r.peak_node_mb:>8.0f} {r.peak_sum_mb:>7.0f}")  # fmt: skip
-    lines.append(f"CPU s/version: all nodes' CPU per version while timed, on this host's {cores} cores; enc/dec: one "
-                 "version's encode and decode+commit on one core, unloaded (conditioned coding);")  # fmt: skip
-    lines.append("peak MB: the most resident memory one node held; all MB: the most all nodes held at once "
-                 "(their proportional set sizes added up, sampled every 0.5 s).")  # fmt: skip
+        lines.append(
+            f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<{width}} {r.config.nodes + 1:>5} "
+            f"{r.bytes / 1e6:>10.3f} {r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} "
+            f"{r.floor_s * 1e3:>8.0f} {vs}  {r.cpu_s:>13.2f} {r.encode_s * 1e3:>6.0f} "
+            f"{r.decode_s * 1e3:>6.0f} {r.peak_node_mb:>8.0f} {r.peak_sum_mb:>7.0f}"
+        )
+    lines.append(
+        f"CPU s/version: all nodes' CPU per version while timed, on this host's {cores} cores; enc/dec: one "
+        "version's encode and decode+commit on one core, unloaded (conditioned coding);"
+    )
+    lines.append(
+        "peak MB: the most resident memory one node held; all MB: the most all nodes held at once "
+        "(their proportional set sizes added up, sampled every 0.5 s)."
+    )
     return "\n".join(lines)

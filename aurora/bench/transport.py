@@ -48,8 +48,17 @@ class Row:
     vs_link: float | None = None
 
 
-def _pair(kind: str, streams: int, nbytes: int, *, sink_host: Host | None = None, src_host: Host | None = None,
-          bind: str = "127.0.0.1", extra: Sequence[str] = (), timeout_s: float = 900.0) -> dict[str, Any]:  # fmt: skip
+def _pair(
+    kind: str,
+    streams: int,
+    nbytes: int,
+    *,
+    sink_host: Host | None = None,
+    src_host: Host | None = None,
+    bind: str = "127.0.0.1",
+    extra: Sequence[str] = (),
+    timeout_s: float = 900.0,
+) -> dict[str, Any]:
     args = ["--kind", kind, "--streams", str(streams), *extra]
     sink_argv = [*PEER, "sink", *args, "--bind", bind]
     if sink_host is not None:
@@ -85,9 +94,17 @@ def _row(path: str, label: str, r: dict[str, Any]) -> Row:
     return Row(path, label, int(r["streams"]), int(r["bytes"]), float(r["seconds"]), float(r["mb_s"]))
 
 
-def run(*, loop_mib: int = 256, wan_mib: int = 16, streams: int = 4, rtc_streams: int = 8,
-        losses: Sequence[float] = (0.0, 0.001, 0.01), wan: bool = True, json_path: str | None = None,
-        progress: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
+def run(
+    *,
+    loop_mib: int = 256,
+    wan_mib: int = 16,
+    streams: int = 4,
+    rtc_streams: int = 8,
+    losses: Sequence[float] = (0.0, 0.001, 0.01),
+    wan: bool = True,
+    json_path: str | None = None,
+    progress: Callable[[str], None] = print,
+) -> list[Row]:
     rows: list[Row] = []
     nb = loop_mib << 20
     progress(f"loopback, {loop_mib} MiB each, best of {LOOP_REPEATS} interleaved runs ...")
@@ -143,8 +160,10 @@ def _print(rows: list[Row], streams: int, rtc_streams: int, wan_reason: str | No
     print(f"\n{'path':<18}{'transport':<22}{'streams':>8}{'MiB':>6}{'s':>8}{'MB/s':>9}{'/TCP':>7}{'/link':>7}")
     for r in rows:
         link = f"{r.vs_link:.2f}" if r.vs_link is not None else ""
-        print(f"{r.path:<18}{r.transport:<22}{r.streams:>8}{r.bytes >> 20:>6}{r.seconds:>8.2f}{r.mb_s:>9.1f}"
-              f"{r.vs_tcp:>7.2f}{link:>7}")  # fmt: skip
+        print(
+            f"{r.path:<18}{r.transport:<22}{r.streams:>8}{r.bytes >> 20:>6}{r.seconds:>8.2f}{r.mb_s:>9.1f}"
+            f"{r.vs_tcp:>7.2f}{link:>7}"
+        )
     if wan_reason is not None:
         print(f"\nemulated link: not run ({wan_reason})")
     loop_zmq = [r for r in rows if r.path == "loopback" and r.transport == "ZeroMQ"]
@@ -152,8 +171,10 @@ def _print(rows: list[Row], streams: int, rtc_streams: int, wan_reason: str | No
     print(f"  ZeroMQ >= 0.80 of raw TCP on loopback: {', '.join(f'{r.vs_tcp:.2f} (x{r.streams})' for r in loop_zmq)}")
     wan_zmq = [r for r in rows if r.path != "loopback" and r.transport == "ZeroMQ"]
     if wan_zmq:
-        print(f"  ZeroMQ >= 0.90 of the link rate: "
-              f"{', '.join(f'{r.vs_link:.2f} (x{r.streams}, {r.path})' for r in wan_zmq if r.vs_link is not None)}")  # fmt: skip
+        print(
+            f"  ZeroMQ >= 0.90 of the link rate: "
+            f"{', '.join(f'{r.vs_link:.2f} (x{r.streams}, {r.path})' for r in wan_zmq if r.vs_link is not None)}"
+        )
     by_path: dict[str, dict[str, Row]] = {}
     for r in rows:
         by_path.setdefault(r.path, {})[r.transport] = r

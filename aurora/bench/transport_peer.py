@@ -164,8 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bytes", type=int, default=64 << 20, help="source: payload size")
     ap.add_argument("--streams", type=int, default=1, help="connections (zmq) or peer connections (webrtc)")
     ap.add_argument("--lost-after-s", type=float, default=15.0, help="a silent peer is lost after this long")
-    ap.add_argument("--sctp-rto-min-s", type=float, default=None,
-                    help="webrtc: minimum SCTP retransmission timeout (default: aiortc's own, 1 s)")  # fmt: skip
+    ap.add_argument(
+        "--sctp-rto-min-s",
+        type=float,
+        default=None,
+        help="webrtc: minimum SCTP retransmission timeout (default: aiortc's own, 1 s)",
+    )
     a = ap.parse_args(argv)
     configure(level="warning")  # stdout carries the JSON lines; logs go to stderr
     rtc_kw = {

@@ -54,8 +54,9 @@ def read_delta(f: BinaryIO) -> tuple[Manifest, Iterator[bytes]]:
         raise DeltaFormatError("not an Aurora delta file (bad magic)")
     (version,) = struct.unpack("<H", head[4:])
     if version not in READABLE_VERSIONS:
-        raise DeltaFormatError(f"delta file version {version} is not supported (this build reads "
-                               f"{', '.join(map(str, READABLE_VERSIONS))})")  # fmt: skip
+        raise DeltaFormatError(
+            f"delta file version {version} is not supported (this build reads {', '.join(map(str, READABLE_VERSIONS))})"
+        )
     (mlen,) = _REC.unpack(_read_exact(f, 4, "the manifest length"))
     if mlen > MAX_MANIFEST_BYTES:
         raise DeltaFormatError(f"manifest record of {mlen} bytes is too large")

@@ -131,8 +131,9 @@ class DeltaReceiver:
             self._ahead, self._ahead_failed, self._ahead_base = {}, set(), base
         return [it for it in self._chunks.items() if it[0] not in self._ahead and it[0] not in self._ahead_failed]
 
-    def decode_ahead(self, items: list[tuple[tuple[int, int], Chunk]], base: Weights | None, *,
-                     threads: int = 1) -> int:  # fmt: skip
+    def decode_ahead(
+        self, items: list[tuple[tuple[int, int], Chunk]], base: Weights | None, *, threads: int = 1
+    ) -> int:
         """Decode ``items`` (from `undecoded`) against ``base`` — the very weights `stage` will be
         given, unchanged until then (None for a snapshot) — so that `stage` has only the rest left: a
         receiver overlaps decoding with the transfer. Returns how many it decoded. A chunk that fails
@@ -173,8 +174,10 @@ class DeltaReceiver:
                 raise DeltaFormatError(f"delta v{m.base_version}->v{m.target_version} needs a base")
             check_base(m, base, base_checked)
         if not self.complete:
-            raise DeltaFormatError(f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
-                                   f"chunks missing, e.g. {self.missing(3)}")  # fmt: skip
+            raise DeltaFormatError(
+                f"delta is incomplete: {self.expected - len(self._chunks)} of {self.expected} "
+                f"chunks missing, e.g. {self.missing(3)}"
+            )
         ahead = self._ahead if base is self._ahead_base else {}
         fresh: dict[tuple[int, int], Patch | None] = {}
         todo = [item for item in sorted(self._chunks.items()) if item[0] not in ahead]
@@ -186,8 +189,9 @@ class DeltaReceiver:
         return StagedDelta(m, patches)
 
 
-def _decode_jobs(m: Manifest, items: list[tuple[tuple[int, int], Chunk]], base: Weights | None, threads: int
-                 ) -> Iterator[tuple[list[tuple[int, int]], list[Patch | None] | DeltaFormatError]]:  # fmt: skip
+def _decode_jobs(
+    m: Manifest, items: list[tuple[tuple[int, int], Chunk]], base: Weights | None, threads: int
+) -> Iterator[tuple[list[tuple[int, int]], list[Patch | None] | DeltaFormatError]]:
     """Decode ``items`` (in order) against ``base`` on ``threads`` threads, a `located_pairs` job at a time:
     each job's chunk keys with its patches, or the error that job's chunks raised."""
     located = sum(1 for _, c in items if c.header.kind is ChunkKind.DELTA and c.header.n_changed)
@@ -205,8 +209,9 @@ def _decode_jobs(m: Manifest, items: list[tuple[tuple[int, int], Chunk]], base: 
     return ordered_map(job, located_pairs(items, pair=pair), threads)
 
 
-def located_pairs(items: list[tuple[tuple[int, int], Chunk]], *, pair: bool = True
-                  ) -> Iterator[list[tuple[tuple[int, int], Chunk]]]:  # fmt: skip
+def located_pairs(
+    items: list[tuple[tuple[int, int], Chunk]], *, pair: bool = True
+) -> Iterator[list[tuple[tuple[int, int], Chunk]]]:
     """``items`` (in order) as decoding jobs: two at a time where both are DELTA chunks with changes of one
     dtype — their base scans run side by side (`kernels.locate_pair`) — else one (always one with
     ``pair=False``)."""
@@ -237,10 +242,17 @@ def decode_group(m: Manifest, group: list[tuple[tuple[int, int], Chunk]], base: 
     (ca, cb), d = [c for _, c in group], group[0][1].header.dtype
     ha, hb = ca.header, cb.header
     sa, ia, xa, sb, ib, xb = kernels.locate_pair(
-        base[names[0]].bits[ha.start : ha.stop], *decode_ranks(ca, names[0]), ha.n_changed,
-        base[names[1]].bits[hb.start : hb.stop], *decode_ranks(cb, names[1]), hb.n_changed,
-        d.exp_shift, d.exp_mask, d.width, int(ha.transform),
-    )  # fmt: skip
+        base[names[0]].bits[ha.start : ha.stop],
+        *decode_ranks(ca, names[0]),
+        ha.n_changed,
+        base[names[1]].bits[hb.start : hb.stop],
+        *decode_ranks(cb, names[1]),
+        hb.n_changed,
+        d.exp_shift,
+        d.exp_mask,
+        d.width,
+        int(ha.transform),
+    )
     for status, c, name in ((sa, ca, names[0]), (sb, cb, names[1])):
         if status != 0:
             raise DeltaFormatError(f"{_chunk_named(c, name)}: {_ERRORS[-status]}")
@@ -289,9 +301,16 @@ def decode_chunk(c: Chunk, name: str, base: TensorBits | None) -> Patch | None:
     assert base is not None
     first, ranks, vals = decode_ranks(c, name)
     status, idx, new = kernels.locate(
-        base.bits[h.start : h.stop], d.exp_shift, d.exp_mask, first, ranks, vals, h.n_changed, d.width,
+        base.bits[h.start : h.stop],
+        d.exp_shift,
+        d.exp_mask,
+        first,
+        ranks,
+        vals,
+        h.n_changed,
+        d.width,
         int(h.transform),
-    )  # fmt: skip
+    )
     if status != 0:
         raise DeltaFormatError(f"{_chunk_named(c, name)}: {_ERRORS[-status]}")
     idx += h.start
@@ -325,8 +344,10 @@ def sparse_patch(c: Chunk) -> tuple[np.ndarray, np.ndarray]:
     split = src.size - h.n_changed * d.itemsize  # the header check made it >= n_changed
     status, idx, used = kernels.decode_positions(src[:split], h.n_changed, h.stop - h.start)
     if status == 0 and used != split:
-        raise DeltaFormatError(f"sparse chunk (tensor {h.tensor_index}, chunk {h.chunk_index}): "
-                               f"{split - used} bytes between its positions and its values")  # fmt: skip
+        raise DeltaFormatError(
+            f"sparse chunk (tensor {h.tensor_index}, chunk {h.chunk_index}): "
+            f"{split - used} bytes between its positions and its values"
+        )
     if status != 0:
         raise DeltaFormatError(f"sparse chunk (tensor {h.tensor_index}, chunk {h.chunk_index}): {_ERRORS[-status]}")
     return idx, src[split:].view(d.uint).copy()
@@ -346,8 +367,9 @@ class StagedDelta:
     def touched(self) -> set[str]:
         return {p.name for p in self.patches}
 
-    def commit(self, weights: Weights, *, check: Callable[[Weights], None] | None = None,
-               restore: bool = True) -> set[str]:  # fmt: skip
+    def commit(
+        self, weights: Weights, *, check: Callable[[Weights], None] | None = None, restore: bool = True
+    ) -> set[str]:
         """Apply in place; verify digests; restore and raise on mismatch. Returns touched names.
 
         ``check``, if given, runs on the result after the digests match; if it raises, the base is
@@ -391,8 +413,10 @@ def check_target(m: Manifest, digests: Mapping[str, bytes]) -> None:
     commit, which then restores the base)."""
     bad = [t.name for t in m.tensors if t.name in digests and digests[t.name] != t.target_digest]
     if bad:
-        raise DeltaFormatError(f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors differ "
-                               f"from the target digests (first: {bad[0]!r}); the base was restored")  # fmt: skip
+        raise DeltaFormatError(
+            f"after applying v{m.base_version}->v{m.target_version}, {len(bad)} tensors differ "
+            f"from the target digests (first: {bad[0]!r}); the base was restored"
+        )
 
 
 def receive(manifest: Manifest, chunks: Iterable[bytes | bytearray | memoryview]) -> DeltaReceiver:

@@ -148,8 +148,14 @@ class _DeviceFinder:
     for one of them, and each is handed out once (so what is held is the changes not yet coded). One
     tensor's pass holds only that tensor's lock: threads coding spans already found go on."""
 
-    def __init__(self, manifest: Manifest, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
-                 window: int, sparse: Callable[[str], bool]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        manifest: Manifest,
+        base: Mapping[str, torch.Tensor],
+        target: Mapping[str, torch.Tensor],
+        window: int,
+        sparse: Callable[[str], bool],
+    ) -> None:
         self._m, self._base, self._target, self._window, self._sparse = manifest, base, target, window, sparse
         self._lock = Lock()
         self._tensor_locks: dict[int, Lock] = {}
@@ -163,8 +169,16 @@ class _DeviceFinder:
                 if (ti, ci) in self._found:
                     return self._found.pop((ti, ci))
             e = self._m.tensors[ti]
-            found = list(find_changes(self._base[e.name], self._target[e.name], e.dtype, self._m.transform,
-                                      window=self._window, ranks=not self._sparse(e.name)))  # fmt: skip
+            found = list(
+                find_changes(
+                    self._base[e.name],
+                    self._target[e.name],
+                    e.dtype,
+                    self._m.transform,
+                    window=self._window,
+                    ranks=not self._sparse(e.name),
+                )
+            )
             with self._lock:
                 self._found.update(((ti, c), ch) for c, ch in found)
                 return self._found.pop((ti, ci))
@@ -230,8 +244,9 @@ def locate(
     rank = torch.from_numpy(np.concatenate(ranks)).to(dev)
     if bool((rank >= counts[key]).any()):
         where = chunks[0][1].header
-        raise DeltaFormatError(f"chunk (tensor {where.tensor_index}, chunks {c0}..{chunks[-1][0]}): "
-                               f"{_ERRORS[kernels.ERR_LEFTOVER]}")  # fmt: skip
+        raise DeltaFormatError(
+            f"chunk (tensor {where.tensor_index}, chunks {c0}..{chunks[-1][0]}): {_ERRORS[kernels.ERR_LEFTOVER]}"
+        )
     idx, perm = torch.sort(order[starts[key] + rank])
     old = _host_uint(b[idx], d).astype(np.uint64)
     v = np.concatenate(vals)[perm.cpu().numpy()]
@@ -248,8 +263,10 @@ def check_tensors(m: Manifest, params: Mapping[str, torch.Tensor]) -> None:
     for t in m.tensors:
         p = params[t.name]
         if dtype_of(p) != t.dtype or tuple(p.shape) != t.shape:
-            raise DeltaFormatError(f"tensor {t.name!r}: delta expects {t.dtype.name}{list(t.shape)}, "
-                                   f"the device has {p.dtype}{list(p.shape)}")  # fmt: skip
+            raise DeltaFormatError(
+                f"tensor {t.name!r}: delta expects {t.dtype.name}{list(t.shape)}, "
+                f"the device has {p.dtype}{list(p.shape)}"
+            )
         if not p.is_contiguous():  # a flat view of it would be a copy, and the writes would land there
             raise DeltaFormatError(f"tensor {t.name!r} is not contiguous: apply into a contiguous tensor")
 
@@ -260,8 +277,9 @@ for a raw span from ``start`` (its bits kept on the host until written: a snapsh
 second copy of the weights on the device)."""
 
 
-def _staged(m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], threads: int,
-            window: int) -> Iterator[Staged]:  # fmt: skip
+def _staged(
+    m: Manifest, rx: DeltaReceiver, params: Mapping[str, torch.Tensor], threads: int, window: int
+) -> Iterator[Staged]:
     for ti, entry in enumerate(m.tensors):
         if not m.carries(entry):
             continue

@@ -71,8 +71,15 @@ def check_compatible(base: Weights, target: Weights) -> None:
             )
 
 
-def make_manifest(base: Weights | None, target: Weights, base_version: int | None, target_version: int,
-                  transform: Transform = Transform.SUB, *, format: int = PLAIN_VERSION) -> Manifest:  # fmt: skip
+def make_manifest(
+    base: Weights | None,
+    target: Weights,
+    base_version: int | None,
+    target_version: int,
+    transform: Transform = Transform.SUB,
+    *,
+    format: int = PLAIN_VERSION,
+) -> Manifest:
     if base is not None:
         check_compatible(base, target)
     bd = base.tensor_digests() if base is not None else None
@@ -231,9 +238,16 @@ def iter_chunks(
             assert ba is not None
             assert bb is not None
             d = ta.dtype
-            found[0], found[1] = kernels.find_changes_pair(ba.bits[a0:a1], ta.bits[a0:a1], bb.bits[b0:b1],
-                                                           tb.bits[b0:b1], d.exp_shift, d.exp_mask, d.width,
-                                                           int(manifest.transform))  # fmt: skip
+            found[0], found[1] = kernels.find_changes_pair(
+                ba.bits[a0:a1],
+                ta.bits[a0:a1],
+                bb.bits[b0:b1],
+                tb.bits[b0:b1],
+                d.exp_shift,
+                d.exp_mask,
+                d.width,
+                int(manifest.transform),
+            )
         elif find is not None and base is not None:
             found[0] = find(*group[0])
         out = []
@@ -321,6 +335,14 @@ def encode(
     coding: Coding | Mapping[str, Coding] = Coding.CONDITIONED,
 ) -> Delta:
     stats = EncodeStats()
-    m, it = encode_stream(base, target, base_version=base_version, target_version=target_version,
-                          transform=transform, stats=stats, threads=threads, coding=coding)  # fmt: skip
+    m, it = encode_stream(
+        base,
+        target,
+        base_version=base_version,
+        target_version=target_version,
+        transform=transform,
+        stats=stats,
+        threads=threads,
+        coding=coding,
+    )
     return Delta(m, tuple(it), stats)

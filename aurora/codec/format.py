@@ -86,10 +86,21 @@ class Chunk:
 
 def pack_chunk(h: ChunkHeader, body: bytes | memoryview) -> bytes:
     head = _HEAD.pack(
-        CHUNK_MAGIC, FORMAT_VERSION if h.kind is ChunkKind.SPARSE else PLAIN_VERSION, h.kind, h.transform,
-        h.dtype.code, 0, 0,
-        h.tensor_index, h.chunk_index, h.start, h.stop, h.n_changed, len(body), h.delta_id,
-    )  # fmt: skip
+        CHUNK_MAGIC,
+        FORMAT_VERSION if h.kind is ChunkKind.SPARSE else PLAIN_VERSION,
+        h.kind,
+        h.transform,
+        h.dtype.code,
+        0,
+        0,
+        h.tensor_index,
+        h.chunk_index,
+        h.start,
+        h.stop,
+        h.n_changed,
+        len(body),
+        h.delta_id,
+    )
     return b"".join((head, digest_bytes(head, body), body))
 
 
@@ -106,8 +117,10 @@ def unpack_chunk(data: bytes | bytearray | memoryview) -> Chunk:
     if magic != CHUNK_MAGIC:
         raise DeltaFormatError(f"not a delta chunk (magic {bytes(magic)!r})")
     if version not in READABLE_VERSIONS:
-        raise DeltaFormatError(f"chunk format version {version} is not supported (this build reads "
-                               f"{', '.join(map(str, READABLE_VERSIONS))})")  # fmt: skip
+        raise DeltaFormatError(
+            f"chunk format version {version} is not supported (this build reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
+        )
     if len(mv) != HEADER_BYTES + blen:
         raise DeltaFormatError(f"chunk length {len(mv)} does not match its header (body {blen} bytes)")
     if digest_bytes(mv[: _HEAD.size], mv[HEADER_BYTES:]) != bytes(mv[_HEAD.size : HEADER_BYTES]):
@@ -122,8 +135,12 @@ def unpack_chunk(data: bytes | bytearray | memoryview) -> Chunk:
         raise DeltaFormatError(f"raw chunk (tensor {ti}, chunk {ci}) has a wrong body length")
     if k is ChunkKind.DELTA and (tr is Transform.NONE or (n_changed == 0) != (blen == 0)):
         raise DeltaFormatError(f"delta chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
-    if k is ChunkKind.SPARSE and (version < 3 or tr is not Transform.NONE or n_changed == 0
-                                  or not n_changed * (1 + dt.itemsize) <= blen <= n_changed * (varint_bytes(stop - start) + dt.itemsize)):  # fmt: skip
+    if k is ChunkKind.SPARSE and (
+        version < 3
+        or tr is not Transform.NONE
+        or n_changed == 0
+        or not n_changed * (1 + dt.itemsize) <= blen <= n_changed * (varint_bytes(stop - start) + dt.itemsize)
+    ):
         raise DeltaFormatError(f"sparse chunk (tensor {ti}, chunk {ci}) has an inconsistent header")
     h = ChunkHeader(k, tr, dt, ti, ci, start, stop, n_changed, blen, bytes(did))
     return Chunk(h, mv[HEADER_BYTES:])
@@ -249,8 +266,10 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         raise DeltaFormatError("not a delta manifest (bad magic or too short)")
     version, blen = struct.unpack_from("<HI", mv, 4)
     if version not in READABLE_VERSIONS:
-        raise DeltaFormatError(f"manifest format version {version} is not supported (this build reads "
-                               f"{', '.join(map(str, READABLE_VERSIONS))})")  # fmt: skip
+        raise DeltaFormatError(
+            f"manifest format version {version} is not supported (this build reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
+        )
     if blen > MAX_MANIFEST_BYTES or len(mv) != 10 + blen + DIGEST_BYTES:
         raise DeltaFormatError(f"manifest length {len(mv)} does not match its header ({blen}-byte body)")
     if digest_bytes(mv[:10], mv[10 : 10 + blen]) != bytes(mv[10 + blen :]):
@@ -260,8 +279,16 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise DeltaFormatError(f"manifest body is not valid msgpack: {e}") from None
     _need(isinstance(d, dict), "body is not a map")
-    want = {"delta_id", "base_version", "target_version", "base_digest", "target_digest", "transform",
-            "chunk_span_bytes", "tensors"}  # fmt: skip
+    want = {
+        "delta_id",
+        "base_version",
+        "target_version",
+        "base_digest",
+        "target_digest",
+        "transform",
+        "chunk_span_bytes",
+        "tensors",
+    }
     _need(set(d) == want, f"fields {sorted(set(d) ^ want)} missing or unexpected")
     _need(d["chunk_span_bytes"] == CHUNK_SPAN_BYTES, f"chunk span {d['chunk_span_bytes']} != {CHUNK_SPAN_BYTES}")
     bv, tv = d["base_version"], d["target_version"]
@@ -276,8 +303,10 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         name, dname, shape, bd, td = row
         _need(isinstance(name, str) and bool(name), f"tensors[{i}].name must be a non-empty string")
         _need(dname in BY_NAME, f"tensors[{i}].dtype {dname!r} is unknown")
-        _need(isinstance(shape, list) and len(shape) <= MAX_DIMS and all(isinstance(s, int) and s >= 0 for s in shape),
-              f"tensors[{i}].shape")  # fmt: skip
+        _need(
+            isinstance(shape, list) and len(shape) <= MAX_DIMS and all(isinstance(s, int) and s >= 0 for s in shape),
+            f"tensors[{i}].shape",
+        )
         numel = 1
         for s in shape:
             numel = min(numel * s, MAX_TENSOR_ELEMENTS + 1)
@@ -287,11 +316,13 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         )
         tensors.append(
             TensorEntry(
-                name, BY_NAME[dname], tuple(shape),
+                name,
+                BY_NAME[dname],
+                tuple(shape),
                 _digest_field(bd, f"tensors[{i}].base_digest", optional=True),
                 _digest_field(td, f"tensors[{i}].target_digest") or b"",
             )
-        )  # fmt: skip
+        )
     names = [t.name for t in tensors]
     _need(names == sorted(set(names)), "tensor names must be unique and sorted")
     _need(sum(t.n_chunks for t in tensors) <= MAX_CHUNKS, f"more than {MAX_CHUNKS} chunks")

@@ -44,6 +44,9 @@ def compose(base: Weights, deltas: Sequence[Delta]) -> Delta:
     for d in deltas:
         cur = apply(cur, d.manifest, d.chunks)
     return encode(
-        base, cur, base_version=first.base_version, target_version=deltas[-1].manifest.target_version,
+        base,
+        cur,
+        base_version=first.base_version,
+        target_version=deltas[-1].manifest.target_version,
         transform=first.transform,
-    )  # fmt: skip
+    )

@@ -75,8 +75,10 @@ class Tree:
 
 def estimate(topo: Topology, parent: dict[str, str | None], payload_bytes: int) -> dict[str, float]:
     """Finish times of every node whose chain to the trainer is resolved (see the module docstring)."""
-    return {n: start + (payload_bytes / rate if rate != float("inf") else 0.0)
-            for n, (start, rate) in _inbound(topo, parent).items()}  # fmt: skip
+    return {
+        n: start + (payload_bytes / rate if rate != float("inf") else 0.0)
+        for n, (start, rate) in _inbound(topo, parent).items()
+    }
 
 
 def slowest_link_mbit(topo: Topology, tree: Tree) -> float:
@@ -155,17 +157,17 @@ def plan(topo: Topology, file: str | None = None) -> Tree:
 
     def candidates(n: NodeSpec, parent: dict[str, str | None]) -> list[str]:
         mine = _subtree(parent, n.name)
-        return [
-            m.name for m in parents
-            if m.name not in mine and parent.get(m.name) != AUTO and _reachable(topo, m, n)
-        ]  # fmt: skip
+        return [m.name for m in parents if m.name not in mine and parent.get(m.name) != AUTO and _reachable(topo, m, n)]
 
     greedy: dict[str, str | None] = {n.name: n.parent for n in topo.nodes}
     for n in auto:
         options = candidates(n, greedy)
         if not options:
-            raise ConfigError(f"no trainer or relay that {n.name!r} can reach (declare a wan link)",
-                              file=file, path=f"nodes[{index[n.name]}].parent")  # fmt: skip
+            raise ConfigError(
+                f"no trainer or relay that {n.name!r} can reach (declare a wan link)",
+                file=file,
+                path=f"nodes[{index[n.name]}].parent",
+            )
         greedy[n.name] = min(options, key=lambda m: (_cost(topo, {**greedy, n.name: m}, payload), m))
     best = greedy
     root = topo.trainer.name
@@ -181,8 +183,11 @@ def plan(topo: Topology, file: str | None = None) -> Tree:
         if n.fallback_parents is not None:
             for j, f in enumerate(n.fallback_parents):
                 if f in mine:
-                    raise ConfigError(f"{f!r} is in {n.name!r}'s own subtree, so it cannot take {n.name!r} over",
-                                      file=file, path=f"nodes[{index[n.name]}].fallback_parents[{j}]")  # fmt: skip
+                    raise ConfigError(
+                        f"{f!r} is in {n.name!r}'s own subtree, so it cannot take {n.name!r} over",
+                        file=file,
+                        path=f"nodes[{index[n.name]}].fallback_parents[{j}]",
+                    )
             fallbacks[n.name] = n.fallback_parents
             continue
         others = [m for m in candidates(n, best) if m != best[n.name]]

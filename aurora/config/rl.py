@@ -22,12 +22,24 @@ from aurora.errors import ConfigError
 PRESETS: dict[str, dict[str, Any]] = {
     # ~150k parameters: fast enough for many processes on a 2-core machine (head_dim 32: the
     # smallest that vLLM's CPU attention supports)
-    "tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 32},
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    },
     # ~4.8M parameters
-    "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "head_dim": 32},
-}  # fmt: skip
+    "small": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+    },
+}
 """Architectures of the random Qwen3 models `aurora model init` builds (`aurora.rl.model`)."""
 
 
@@ -63,10 +75,14 @@ class ModelSpec:
         assert self.path is not None
         p = Path(self.path)
         if not (p / "config.json").is_file():
-            how = (f"aurora model fetch {self.fetch} {p}" if self.fetch is not None
-                   else f"aurora model init {p} --preset {self.preset}")  # fmt: skip
-            raise ConfigError(f"{p} is not a model directory (no config.json); create one with `{how}`",
-                              path="model.path")  # fmt: skip
+            how = (
+                f"aurora model fetch {self.fetch} {p}"
+                if self.fetch is not None
+                else f"aurora model init {p} --preset {self.preset}"
+            )
+            raise ConfigError(
+                f"{p} is not a model directory (no config.json); create one with `{how}`", path="model.path"
+            )
         return p
 
 
@@ -226,8 +242,9 @@ class GrpoSpec:
 LearnerSpec = SyntheticSpec | GrpoSpec
 
 
-def resolve_paths(task: TaskSpec, model: ModelSpec | None, learner: LearnerSpec, engine: EngineSpec | None,
-                  file: str | None) -> tuple[TaskSpec, ModelSpec | None, LearnerSpec, EngineSpec | None]:  # fmt: skip
+def resolve_paths(
+    task: TaskSpec, model: ModelSpec | None, learner: LearnerSpec, engine: EngineSpec | None, file: str | None
+) -> tuple[TaskSpec, ModelSpec | None, LearnerSpec, EngineSpec | None]:
     """The sections with relative paths made absolute against ``file``'s directory, and the engine's
     model defaulting to the topology's."""
     if isinstance(task, JsonlSpec) and not Path(task.path).is_absolute() and file:

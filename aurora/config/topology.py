@@ -111,8 +111,11 @@ class NodeSpec:
 
     def __post_init__(self) -> None:
         if not re.fullmatch(NAME_PATTERN, self.name):
-            raise ConfigError(f"node name {self.name!r} must be letters, digits, '-', '_' or '.' (at most 64, "
-                              "starting with a letter or digit)", path="name")  # fmt: skip
+            raise ConfigError(
+                f"node name {self.name!r} must be letters, digits, '-', '_' or '.' (at most 64, "
+                "starting with a letter or digit)",
+                path="name",
+            )
         if self.name == "operator":
             raise ConfigError("'operator' is the name of the status key, not a node", path="name")
         if self.role == "trainer" and self.parent is not None:
@@ -308,8 +311,10 @@ def check(t: Topology, file: str | None = None) -> None:
             try:
                 t.link(n.region, t.nodes[index[n.parent]].region)
             except KeyError:
-                raise fail(f"nodes[{i}].parent", f"no wan link between regions {n.region!r} and "
-                           f"{t.nodes[index[n.parent]].region!r}") from None  # fmt: skip
+                raise fail(
+                    f"nodes[{i}].parent",
+                    f"no wan link between regions {n.region!r} and {t.nodes[index[n.parent]].region!r}",
+                ) from None
     for i, n in enumerate(t.nodes):  # explicit chains reach the trainer
         seen = [n.name]
         cur = n
@@ -329,11 +334,16 @@ def check(t: Topology, file: str | None = None) -> None:
     keyed = [i for i, n in enumerate(t.nodes) if n.public_key is not None]
     if (keyed or t.keys is not None) and len(keyed) != len(t.nodes) and (t.keys is None or t.keys.dir is None):
         missing = next(i for i, n in enumerate(t.nodes) if n.public_key is None)
-        raise fail(f"nodes[{missing}].public_key", "CurveZMQ keys are set for some nodes: set them for every node "
-                   "(or name a keys.dir that holds them)")  # fmt: skip
+        raise fail(
+            f"nodes[{missing}].public_key",
+            "CurveZMQ keys are set for some nodes: set them for every node (or name a keys.dir that holds them)",
+        )
     if keyed and t.keys is None:
-        raise fail("keys", "CurveZMQ keys need the trainer's signing key too: set keys.dir or keys.signing_key "
-                   "(`aurora keys generate --topology` writes a key directory)")  # fmt: skip
+        raise fail(
+            "keys",
+            "CurveZMQ keys need the trainer's signing key too: set keys.dir or keys.signing_key "
+            "(`aurora keys generate --topology` writes a key directory)",
+        )
 
 
 def _unique(values: list[str], section: str, key: str, fail: Any) -> None:

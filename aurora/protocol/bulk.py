@@ -119,8 +119,9 @@ class BulkAssembly:
         start, end = self.offer.span(index)
         n = len(data) if isinstance(data, bytes) else data.nbytes
         if n != end - start:
-            raise ProtocolError(f"bulk {self.offer.id!r}: frame {index} has {n} bytes, expected {end - start}",
-                                remote=True)  # fmt: skip
+            raise ProtocolError(
+                f"bulk {self.offer.id!r}: frame {index} has {n} bytes, expected {end - start}", remote=True
+            )
         if frame_digest(data) != digest:
             raise ProtocolError(f"bulk {self.offer.id!r}: frame {index} fails its digest", remote=True)
         if self._have[index]:
@@ -142,9 +143,11 @@ class BulkAssembly:
 
     def payload(self) -> memoryview:
         if not self.complete:
-            raise ProtocolError(f"bulk {self.offer.id!r}: {self.offer.frames - self._held} frames missing",
-                                remote=False)  # fmt: skip
+            raise ProtocolError(
+                f"bulk {self.offer.id!r}: {self.offer.frames - self._held} frames missing", remote=False
+            )
         if digest_of_frames(self._digests) != self.offer.digest:
-            raise ProtocolError(f"bulk {self.offer.id!r}: every frame checked but the whole digest differs",
-                                remote=True)  # fmt: skip
+            raise ProtocolError(
+                f"bulk {self.offer.id!r}: every frame checked but the whole digest differs", remote=True
+            )
         return memoryview(self._buf)

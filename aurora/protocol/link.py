@@ -146,9 +146,18 @@ class Link(Generic[M]):
     heartbeats (``n``: a client's hello); ``await_peer``: start in ``AWAITING_PEER``; ``seed``: the
     heartbeat jitter's."""
 
-    def __init__(self, peer: str, *, window: int, timings: LinkTimings | None = None, now: float = 0.0,
-                 incarnation: int = 0, name: str | None = None, await_peer: bool = False,
-                 seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        peer: str,
+        *,
+        window: int,
+        timings: LinkTimings | None = None,
+        now: float = 0.0,
+        incarnation: int = 0,
+        name: str | None = None,
+        await_peer: bool = False,
+        seed: int = 0,
+    ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self.peer = peer
@@ -171,9 +180,15 @@ class Link(Generic[M]):
         self._budget = FaultBudget()
         self._live: PeerLiveness | None = None
         if timings is not None:
-            self._live = PeerLiveness(name or "", incarnation=incarnation, interval_s=timings.heartbeat_s,
-                                      jitter=timings.jitter, suspect_after_s=timings.suspect_after_s,
-                                      lost_after_s=timings.lost_after_s, seed=seed)  # fmt: skip
+            self._live = PeerLiveness(
+                name or "",
+                incarnation=incarnation,
+                interval_s=timings.heartbeat_s,
+                jitter=timings.jitter,
+                suspect_after_s=timings.suspect_after_s,
+                lost_after_s=timings.lost_after_s,
+                seed=seed,
+            )
             self._live.add_peer(peer, now)
 
     # ------------------------------------------------------------ reading the state

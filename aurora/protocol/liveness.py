@@ -82,13 +82,16 @@ DEFAULT_JITTER = 0.1
 """Heartbeat intervals are jittered by up to this fraction (spreads peers' beats apart)."""
 
 
-def timing_problem(interval_s: float, suspect_after_s: float, lost_after_s: float,
-                   jitter: float = DEFAULT_JITTER) -> str | None:  # fmt: skip
+def timing_problem(
+    interval_s: float, suspect_after_s: float, lost_after_s: float, jitter: float = DEFAULT_JITTER
+) -> str | None:
     """Why these liveness timings cannot work (a beat must arrive well inside the
     suspicion bound), or None. Every config that carries timings checks with this."""
     if not 0 < interval_s * (1 + jitter) < suspect_after_s < lost_after_s:
-        return (f"need interval_s*(1+jitter) < suspect_after_s < lost_after_s, got interval_s={interval_s}, "
-                f"jitter={jitter}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}")  # fmt: skip
+        return (
+            f"need interval_s*(1+jitter) < suspect_after_s < lost_after_s, got interval_s={interval_s}, "
+            f"jitter={jitter}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}"
+        )
     return None
 
 

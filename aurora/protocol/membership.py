@@ -81,8 +81,9 @@ class TreeRules:
     """Who may attach under whom, and whom a child speaks for, from the topology's planned parents
     (``parent``: None for the trainer), ``fallbacks`` and ``roles``."""
 
-    def __init__(self, parent: Mapping[str, str | None], fallbacks: Mapping[str, Sequence[str]],
-                 roles: Mapping[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self, parent: Mapping[str, str | None], fallbacks: Mapping[str, Sequence[str]], roles: Mapping[str, str]
+    ) -> None:
         self.parent = dict(parent)
         self.fallbacks = {n: tuple(f) for n, f in fallbacks.items()}
         self.roles = dict(roles)
@@ -389,8 +390,10 @@ class Uplink:
         self._expect(UplinkState.HELLO_SENT, UplinkState.ATTACHED, UplinkState.PROBING)
         parent = self.parent
         self.place.quarantine(parent, now)
-        return [ParentFailed(parent, error, QUARANTINE_S),
-                *self._leave(_Outcome.FAILED, now, close=f"leaving this parent: {kind}")]  # fmt: skip
+        return [
+            ParentFailed(parent, error, QUARANTINE_S),
+            *self._leave(_Outcome.FAILED, now, close=f"leaving this parent: {kind}"),
+        ]
 
     def probed(self, answer: object, now: float) -> list[Output]:
         """The planned parent answered a probe with ``answer`` (None: no answer). A path that does not
@@ -406,8 +409,10 @@ class Uplink:
             self._healthy_since = now
         elif now - self._healthy_since >= self.return_after_s:
             parent = self.parent
-            return [ParentReturn(parent, to=self.planned, reason=RETURN_REASON),
-                    *self._leave(_Outcome.RETURN, now, close="returning to the planned parent")]  # fmt: skip
+            return [
+                ParentReturn(parent, to=self.planned, reason=RETURN_REASON),
+                *self._leave(_Outcome.RETURN, now, close="returning to the planned parent"),
+            ]
         self._due = now + self.lost_after_s
         return []
 

@@ -405,10 +405,35 @@ class Probe(_Msg, tag="probe"):
 
 
 AppMessage = Union[  # noqa: UP007  (msgspec needs the Union for a tagged decode)
-    Hello, StatusQuery, SignalHello, PathUpdate, Refused, Have, Held, DeltaManifest, DeltaChunk, DeltaSeal,
-    Status, StatusSnapshot, Want, Grant, Renew, Renewed, Result, Verdict, RtcOffer, RtcAnswer, RtcRefused,
-    BulkOffer, BulkWant, BulkDone, BulkIncomplete, BulkFrame, BulkEnd, Probe,
-]  # fmt: skip
+    Hello,
+    StatusQuery,
+    SignalHello,
+    PathUpdate,
+    Refused,
+    Have,
+    Held,
+    DeltaManifest,
+    DeltaChunk,
+    DeltaSeal,
+    Status,
+    StatusSnapshot,
+    Want,
+    Grant,
+    Renew,
+    Renewed,
+    Result,
+    Verdict,
+    RtcOffer,
+    RtcAnswer,
+    RtcRefused,
+    BulkOffer,
+    BulkWant,
+    BulkDone,
+    BulkIncomplete,
+    BulkFrame,
+    BulkEnd,
+    Probe,
+]
 UP = (Want, Renew, Result)
 """Work messages that travel up, towards the trainer."""
 DOWN = (Grant, Renewed, Verdict)

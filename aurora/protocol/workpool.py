@@ -188,8 +188,9 @@ class WorkPool:
             else:
                 yield current if v is None else v
 
-    def want(self, worker: str, n: int, now: float, version: int | None = None,
-             current: int = 0) -> list[tuple[Lease, Prompt]]:  # fmt: skip
+    def want(
+        self, worker: str, n: int, now: float, version: int | None = None, current: int = 0
+    ) -> list[tuple[Lease, Prompt]]:
         """Grant up to ``n`` prompts to a worker generating with ``version`` while the trainer is
         at ``current``; a want that gets nothing is parked until `unpark`."""
         return self._want(worker, n, now, version, current, asked_at=now)
@@ -271,22 +272,28 @@ class WorkPool:
             return Rejected("malformed", f"malformed: labelled version {version}, the trainer is at {current}")
         for k, s in enumerate(samples):
             if not 1 <= len(s.tokens) <= r.max_new_tokens or len(s.logprobs) != len(s.tokens):
-                return Rejected("malformed", f"malformed: sample {k} has {len(s.tokens)} tokens and "
-                                f"{len(s.logprobs)} log-probabilities (1..{r.max_new_tokens}, equal)")  # fmt: skip
+                return Rejected(
+                    "malformed",
+                    f"malformed: sample {k} has {len(s.tokens)} tokens and "
+                    f"{len(s.logprobs)} log-probabilities (1..{r.max_new_tokens}, equal)",
+                )
             if not all(0 <= t < r.vocab_size for t in s.tokens):
                 return Rejected("malformed", f"malformed: sample {k} has a token id outside [0, {r.vocab_size})")
             if not all(r.min_logprob <= lp <= 0.0 and math.isfinite(lp) for lp in s.logprobs):
-                return Rejected("malformed", f"malformed: sample {k} has a behaviour log-probability outside "
-                                f"[{r.min_logprob}, 0]")  # fmt: skip
+                return Rejected(
+                    "malformed", f"malformed: sample {k} has a behaviour log-probability outside [{r.min_logprob}, 0]"
+                )
         return None
 
-    def result(self, worker: str, item: int, token: Token, version: int, current: int,
-               samples: Sequence[SampleIn], now: float) -> Accepted | Rejected:  # fmt: skip
+    def result(
+        self, worker: str, item: int, token: Token, version: int, current: int, samples: Sequence[SampleIn], now: float
+    ) -> Accepted | Rejected:
         """Offer a result (see the rules in the module docstring)."""
         bad = self.check(samples, version, current)
         if bad is None and current - version > self.max_stale and self.table.release(worker, item, token, now):
-            bad = Rejected("stale", f"stale: made with version {version}, the trainer is at {current} "
-                           f"(bound {self.max_stale})")  # fmt: skip
+            bad = Rejected(
+                "stale", f"stale: made with version {version}, the trainer is at {current} (bound {self.max_stale})"
+            )
         if bad is None and not self.table.complete(worker, item, token, now):
             why = next(e.reason for e in reversed(self.table.events()) if isinstance(e, ResultRejected))
             bad = Rejected(why, why)
@@ -294,8 +301,7 @@ class WorkPool:
             self.rejected[bad.kind] += 1
             return bad
         prompt = self.open.pop(item)
-        c = Completion(item, list(prompt.tokens), [Sample(list(s.tokens), list(s.logprobs)) for s in samples],
-                       version)  # fmt: skip
+        c = Completion(item, list(prompt.tokens), [Sample(list(s.tokens), list(s.logprobs)) for s in samples], version)
         self.log.append((item, worker, version, current))
         self.samples.append((prompt, c))
         self.accepted += 1
@@ -326,5 +332,11 @@ class WorkPool:
         return min(cands, default=None)
 
     def stats(self) -> dict[str, int | dict[str, int]]:
-        return {"accepted": self.accepted, "rejected": dict(self.rejected), "in_flight": self.table.in_flight,
-                "pending": self.table.pending, "dropped_stale": self.dropped_stale, "parked": len(self.parked)}  # fmt: skip
+        return {
+            "accepted": self.accepted,
+            "rejected": dict(self.rejected),
+            "in_flight": self.table.in_flight,
+            "pending": self.table.pending,
+            "dropped_stale": self.dropped_stale,
+            "parked": len(self.parked),
+        }

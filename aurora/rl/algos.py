@@ -31,8 +31,14 @@ DUAL_CLIP = 3.0
 """c of dual-clip PPO (Ye et al. 2020, the value they use)."""
 
 
-def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                      clip_eps: float, dual_clip: float = DUAL_CLIP) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    dual_clip: float = DUAL_CLIP,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to minimise, the importance ratios ρ). ``logp``/``old``/``mask``: [batch, T];
     ``adv``: [batch, 1]. Masked-out positions have ρ = 1 and count for nothing."""
     ratio = torch.exp((logp - old) * mask)

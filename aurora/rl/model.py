@@ -41,8 +41,13 @@ def _transformers() -> Any:
     with _IMPORT:
         import transformers
 
-        for name in ("AutoModelForCausalLM", "AutoTokenizer", "PreTrainedTokenizerFast", "Qwen3Config",
-                     "Qwen3ForCausalLM"):  # fmt: skip
+        for name in (
+            "AutoModelForCausalLM",
+            "AutoTokenizer",
+            "PreTrainedTokenizerFast",
+            "Qwen3Config",
+            "Qwen3ForCausalLM",
+        ):
             getattr(transformers, name)  # resolve the lazy attributes while holding the lock
         return transformers
 
@@ -50,8 +55,15 @@ def _transformers() -> Any:
 def _config(preset: str, max_positions: int) -> Any:
     Qwen3Config = _transformers().Qwen3Config
 
-    return Qwen3Config(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions, tie_word_embeddings=False,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0, **PRESETS[preset])  # fmt: skip
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **PRESETS[preset],
+    )
 
 
 def build_model(spec: ModelSpec) -> Any:
@@ -89,8 +101,13 @@ def char_tokenizer() -> Any:
     raw.decoder = decoders.Fuse()
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast: Any = tf.PreTrainedTokenizerFast
-    return fast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                additional_special_tokens=list(unused))  # fmt: skip
+    return fast(
+        tokenizer_object=raw,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=list(unused),
+    )
 
 
 class Tokenizer:
@@ -125,8 +142,9 @@ class Tokenizer:
         """``text`` as one user turn through the model's chat template, ready for the assistant's reply."""
         if not self.has_chat_template:
             raise ConfigError("this model's tokenizer has no chat template (set task.chat: false)", path="task.chat")
-        ids = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)  # fmt: skip
+        ids = self.hf.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]

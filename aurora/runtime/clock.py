@@ -57,8 +57,9 @@ class Timeout(Protocol):
 
     async def __aenter__(self) -> object: ...
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
-                        /) -> bool | None: ...  # fmt: skip
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None, /
+    ) -> bool | None: ...
 
 
 class Clock(Protocol):
@@ -278,8 +279,9 @@ class _VirtualTimeout:
                 self._timer = self._clock.call_at(self._deadline, self._expire)
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> bool | None:  # fmt: skip
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

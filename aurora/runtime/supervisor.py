@@ -239,9 +239,12 @@ class Supervisor:
     async def _on_exit(self, c: _Child, how: Exit, err: BaseException | None) -> None:
         spec = c.spec
         log.warning(
-            CHILD_EXITED, supervisor=self.name, child=spec.name, exit=how.value,
+            CHILD_EXITED,
+            supervisor=self.name,
+            child=spec.name,
+            exit=how.value,
             error=repr(err) if err else None,
-        )  # fmt: skip
+        )
         c.task = None
         if spec.restart == "temporary" or (spec.restart == "transient" and how is Exit.NORMAL):
             c.ref._bind(None)
@@ -249,9 +252,12 @@ class Supervisor:
         now = self.clock.now()
         if not self.budget.allow(now):
             log.error(
-                RESTART_INTENSITY_EXCEEDED, supervisor=self.name, child=spec.name,
-                max_restarts=self.budget.max_restarts, within_s=self.budget.within_s,
-            )  # fmt: skip
+                RESTART_INTENSITY_EXCEEDED,
+                supervisor=self.name,
+                child=spec.name,
+                max_restarts=self.budget.max_restarts,
+                within_s=self.budget.within_s,
+            )
             raise RestartIntensityExceeded(
                 f"supervisor {self.name!r}: child {spec.name!r} exited ({how.value}: {err!r}) and more than "
                 f"{self.budget.max_restarts} restarts happened within {self.budget.within_s} s"
@@ -266,8 +272,14 @@ class Supervisor:
         others = [g for g in group if g is not c and g.task is not None]
         await self._shutdown(others)
         delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.budget.recent(now) - 1)) if self.backoff_s else 0
-        log.info(CHILD_RESTARTING, supervisor=self.name, child=spec.name, strategy=self.strategy,
-                 group=[g.spec.name for g in group], backoff_s=delay)  # fmt: skip
+        log.info(
+            CHILD_RESTARTING,
+            supervisor=self.name,
+            child=spec.name,
+            strategy=self.strategy,
+            group=[g.spec.name for g in group],
+            backoff_s=delay,
+        )
         if delay:
             await self.clock.sleep(delay)
         for g in group:
@@ -291,8 +303,9 @@ class Supervisor:
             try:
                 await self.clock.wait_for(asyncio.shield(c.exit_seen.wait()), c.spec.shutdown_timeout_s)
             except TimeoutError:
-                log.warning(CHILD_SHUTDOWN_TIMEOUT, supervisor=self.name, child=c.spec.name,
-                            timeout_s=c.spec.shutdown_timeout_s)  # fmt: skip
+                log.warning(
+                    CHILD_SHUTDOWN_TIMEOUT, supervisor=self.name, child=c.spec.name, timeout_s=c.spec.shutdown_timeout_s
+                )
                 task.cancel()
                 await c.exit_seen.wait()
             self._drain_exit(c)

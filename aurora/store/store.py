@@ -120,8 +120,9 @@ class DeltaStore:
             self.anchor_every = anchor_every
             self.run = secrets.token_bytes(16)
             """The run these versions belong to (the trainer's seals name it)."""
-            write_bytes(cfg, json.dumps({"format": STORE_FORMAT, "anchor_every": anchor_every,
-                                         "run": self.run.hex()}).encode())  # fmt: skip
+            write_bytes(
+                cfg, json.dumps({"format": STORE_FORMAT, "anchor_every": anchor_every, "run": self.run.hex()}).encode()
+            )
         self.policy = AnchorPolicy(self.anchor_every)
         """Which versions `keep` stores as anchors."""
 
@@ -263,8 +264,9 @@ class DeltaStore:
             except DeltaFormatError as e:
                 raise StoreError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
         if w.digest().hex() != chain[-1].digest:
-            raise StoreError(f"{self.root / chain[-1].file}: version {v} rebuilt from the store does not match its "
-                             "recorded digest")  # fmt: skip
+            raise StoreError(
+                f"{self.root / chain[-1].file}: version {v} rebuilt from the store does not match its recorded digest"
+            )
         return w
 
     # ------------------------------------------------------------------ pruning

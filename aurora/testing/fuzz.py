@@ -28,8 +28,29 @@ from hypothesis import strategies as st
 
 from aurora.protocol.messages import AppMessage, LinkData, LinkFrame, encode_link
 
-WRONG: list[Any] = [None, True, -1, 0, 2**63, 2**64 - 1, -(2**63), math.nan, math.inf, -math.inf, 1e308, "",
-                    "x" * 70, "\x00", b"", b"\xff" * 40, [], [1, "a"], {}, {"k": "hello"}, [[[[[]]]]]]  # fmt: skip
+WRONG: list[Any] = [
+    None,
+    True,
+    -1,
+    0,
+    2**63,
+    2**64 - 1,
+    -(2**63),
+    math.nan,
+    math.inf,
+    -math.inf,
+    1e308,
+    "",
+    "x" * 70,
+    "\x00",
+    b"",
+    b"\xff" * 40,
+    [],
+    [1, "a"],
+    {},
+    {"k": "hello"},
+    [[[[[]]]]],
+]
 """Values of the wrong type, or at the edge of a range, for any field."""
 
 APP = mi.type_info(AppMessage)
@@ -49,8 +70,9 @@ def _int(t: mi.IntType) -> st.SearchStrategy[int]:
 def _float(t: mi.FloatType) -> st.SearchStrategy[float]:
     lo = t.ge if t.ge is not None else t.gt
     hi = t.le if t.le is not None else t.lt
-    return st.floats(lo, hi, exclude_min=t.gt is not None, exclude_max=t.lt is not None, allow_nan=False,
-                     allow_infinity=False)  # fmt: skip
+    return st.floats(
+        lo, hi, exclude_min=t.gt is not None, exclude_max=t.lt is not None, allow_nan=False, allow_infinity=False
+    )
 
 
 def _sized(t: Any, items: Callable[[int, int], st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
@@ -80,8 +102,12 @@ def valid_value(t: Any) -> st.SearchStrategy[Any]:
     if isinstance(t, mi.ListType):
         return _sized(t, lambda lo, hi: st.lists(valid_value(t.item_type), min_size=lo, max_size=hi))
     if isinstance(t, mi.DictType):
-        return _sized(t, lambda lo, hi: st.dictionaries(valid_value(t.key_type), valid_value(t.value_type),
-                                                        min_size=lo, max_size=hi))  # fmt: skip
+        return _sized(
+            t,
+            lambda lo, hi: st.dictionaries(
+                valid_value(t.key_type), valid_value(t.value_type), min_size=lo, max_size=hi
+            ),
+        )
     if isinstance(t, mi.StructType):
         return valid_message(t)
     if isinstance(t, mi.AnyType):
@@ -132,11 +158,19 @@ def malformed_message(draw: st.DrawFn, t: mi.StructType) -> Any:
         field = next(f for f in t.fields if f.encode_name == k)
         inner = _struct_in(field.type)
         if how == "deep" and inner is not None:
-            value[k] = draw(malformed_message(inner)) if not isinstance(field.type, mi.ListType) else \
-                [draw(malformed_message(inner))]  # fmt: skip
+            value[k] = (
+                draw(malformed_message(inner))
+                if not isinstance(field.type, mi.ListType)
+                else [draw(malformed_message(inner))]
+            )
         else:
-            value[k] = draw(st.one_of(st.sampled_from(WRONG), st.text(min_size=600, max_size=700),
-                                      st.lists(st.integers(-(2**63), 2**64 - 1), min_size=300, max_size=300)))  # fmt: skip
+            value[k] = draw(
+                st.one_of(
+                    st.sampled_from(WRONG),
+                    st.text(min_size=600, max_size=700),
+                    st.lists(st.integers(-(2**63), 2**64 - 1), min_size=300, max_size=300),
+                )
+            )
     return value
 
 

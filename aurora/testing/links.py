@@ -80,8 +80,7 @@ class LinkNet:
     def pair(self, a: str, b: str) -> tuple[MemoryChannel, MemoryChannel]:
         """A connected channel pair between ``a`` and ``b`` with the net's window, timings and clock."""
         self._seeds += 2
-        return memory_channel_pair(a, b, window=self.window, timings=self.timings, clock=self.clock,
-                                   seed=self._seeds)  # fmt: skip
+        return memory_channel_pair(a, b, window=self.window, timings=self.timings, clock=self.clock, seed=self._seeds)
 
     def _between(self, a: str, b: str) -> list[MemoryChannel]:
         out = []
@@ -122,8 +121,13 @@ class LinkTransport:
     async def connect(self, peer: str, address: str) -> MemoryChannel:
         mine, theirs = self.net.pair(self.node_id, peer)
         server = self.net.listeners.get(address)
-        if self.closed or server is None or server.closed or server.node_id != peer or \
-                not self.net.reachable(self.node_id, peer):  # fmt: skip
+        if (
+            self.closed
+            or server is None
+            or server.closed
+            or server.node_id != peer
+            or not self.net.reachable(self.node_id, peer)
+        ):
             mine._shut(f"cannot reach {peer!r} at {address}")
             return mine
         self._replace(peer, mine)

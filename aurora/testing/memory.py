@@ -34,8 +34,16 @@ class MemoryChannel(ChannelBase):
     real link would, so a sender may reuse its buffers.
     """
 
-    def __init__(self, peer: str, window: int, max_frame_bytes: int, *, timings: LinkTimings | None = None,
-                 clock: Clock | None = None, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        peer: str,
+        window: int,
+        max_frame_bytes: int,
+        *,
+        timings: LinkTimings | None = None,
+        clock: Clock | None = None,
+        seed: int = 0,
+    ) -> None:
         super().__init__(peer, window, max_frame_bytes, timings=timings, clock=clock, seed=seed)
         self.other: MemoryChannel | None = None
         self.heard_at: float | None = None
@@ -95,9 +103,16 @@ class MemoryChannel(ChannelBase):
             self._held.clear()  # a closed link's bytes never arrive
 
 
-def memory_channel_pair(a: str = "a", b: str = "b", *, window: int = 64, max_frame_bytes: int = 64 * 1024 * 1024,
-                        timings: LinkTimings | None = None, clock: Clock | None = None,
-                        seed: int = 0) -> tuple[MemoryChannel, MemoryChannel]:  # fmt: skip
+def memory_channel_pair(
+    a: str = "a",
+    b: str = "b",
+    *,
+    window: int = 64,
+    max_frame_bytes: int = 64 * 1024 * 1024,
+    timings: LinkTimings | None = None,
+    clock: Clock | None = None,
+    seed: int = 0,
+) -> tuple[MemoryChannel, MemoryChannel]:
     """Two connected channels: the first is ``a``'s end (its peer is ``b``), the second ``b``'s.
     ``timings``: heartbeats and loss on ``clock`` (see the module docstring); ``seed``: the ends'
     heartbeat jitter (``seed`` and ``seed + 1``)."""

@@ -85,8 +85,9 @@ class Timeline:
                 return
             due = self.clock.next_timer()
             if due is None or due > limit:
-                raise AssertionError(f"{what}: not by virtual time {limit:g} (now {self.clock.now():g}, next timer "
-                                     f"{due})")  # fmt: skip
+                raise AssertionError(
+                    f"{what}: not by virtual time {limit:g} (now {self.clock.now():g}, next timer {due})"
+                )
             real = [h for h in getattr(loop, "_scheduled", ()) if not h.cancelled()]
             if real:
                 raise AssertionError(f"a real-time timer is pending under the virtual clock: {real[0]!r}")

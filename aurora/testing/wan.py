@@ -141,8 +141,9 @@ class Wan:
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         return h
 
-    def link(self, a: Host, b: Host, *, rate_mbit: float | None = None, rtt_ms: float = 0.0,
-             loss: float = 0.0, seed: int = 0) -> Link:  # fmt: skip
+    def link(
+        self, a: Host, b: Host, *, rate_mbit: float | None = None, rtt_ms: float = 0.0, loss: float = 0.0, seed: int = 0
+    ) -> Link:
         """Join two hosts; each end gets a private address on a subnet of its own."""
         i = len(self.links)
         net = f"10.{200 + i // 256}.{i % 256}"
@@ -167,8 +168,9 @@ class Wan:
         self.links.append(link)
         return link
 
-    def _start_delayline(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str, delay_ms: float,
-                         loss: float, seed: int) -> None:  # fmt: skip
+    def _start_delayline(
+        self, ns_a: str, dev_a: str, ns_b: str, dev_b: str, delay_ms: float, loss: float, seed: int
+    ) -> None:
         p = start_group(
             [
                 sys.executable,

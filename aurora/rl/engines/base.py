@@ -90,9 +90,12 @@ class VerifiedApply:
         self.version = None  # serving nothing until the check passes
         self._copy(update.weights, update.touched)
         if self.weights().digest() != update.digest:
-            log.warning("engine_full_reload", version=update.version,
-                        touched="all" if update.touched is None else len(update.touched),
-                        why="the engine's weights did not hash to the version's digest")  # fmt: skip
+            log.warning(
+                "engine_full_reload",
+                version=update.version,
+                touched="all" if update.touched is None else len(update.touched),
+                why="the engine's weights did not hash to the version's digest",
+            )
             self.full_reloads += 1
             self._copy(update.weights, None)
             if self.weights().digest() != update.digest:
@@ -101,5 +104,4 @@ class VerifiedApply:
 
     def _serving(self, version: int) -> None:
         if self.version != version:
-            raise ProtocolError(f"engine serves version {self.version}, asked to generate with {version}",
-                                remote=False)  # fmt: skip
+            raise ProtocolError(f"engine serves version {self.version}, asked to generate with {version}", remote=False)

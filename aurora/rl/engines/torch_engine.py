@@ -57,8 +57,10 @@ class TorchEngine(VerifiedApply):
         encoded = [prompt_ids(p, self.tok) for p in prompts]
         toks, lps = self._sample([ids for ids in encoded for _ in range(n)], gen)
         samples = [Sample(t, lp) for t, lp in zip(toks, lps, strict=True)]
-        return [Completion(p.id, ids, samples[i * n : i * n + n], version)
-                for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True))]  # fmt: skip
+        return [
+            Completion(p.id, ids, samples[i * n : i * n + n], version)
+            for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True))
+        ]
 
     @torch.no_grad()
     def _sample(self, prompts: list[list[int]], gen: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
@@ -89,6 +91,7 @@ class TorchEngine(VerifiedApply):
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
             pos = pos[:, -1:] + 1
             cache = {self._cache_arg: getattr(out, self._cache_arg)}
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **cache)  # fmt: skip
+            out = self.model(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **cache
+            )
         return toks, lps

@@ -156,13 +156,21 @@ class VllmEngine(VerifiedApply):
         self.dir = m.directory()
         self.tok = Tokenizer.for_model(m)
         with _vllm_start():
-            self.llm = LLM(model=str(self.dir), dtype="bfloat16", seed=spec.seed, enforce_eager=True,
-                           distributed_executor_backend="uni", kv_cache_memory_bytes=spec.kv_cache_mb << 20,
-                           logprobs_mode="processed_logprobs", max_model_len=m.max_positions)  # fmt: skip
+            self.llm = LLM(
+                model=str(self.dir),
+                dtype="bfloat16",
+                seed=spec.seed,
+                enforce_eager=True,
+                distributed_executor_backend="uni",
+                kv_cache_memory_bytes=spec.kv_cache_mb << 20,
+                logprobs_mode="processed_logprobs",
+                max_model_len=m.max_positions,
+            )
         cfg = self.llm.llm_engine.model_config.hf_config
         head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self._split = {"qkv_proj": [cfg.num_attention_heads * head, cfg.num_key_value_heads * head,
-                                    cfg.num_key_value_heads * head]}  # fmt: skip
+        self._split = {
+            "qkv_proj": [cfg.num_attention_heads * head, cfg.num_key_value_heads * head, cfg.num_key_value_heads * head]
+        }
         self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
         """The LM head shares the embedding's weight (SmolLM2, Gemma): the checkpoint has no ``lm_head.weight``."""
         self._host: Weights | None = None

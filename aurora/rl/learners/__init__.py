@@ -9,14 +9,22 @@ from aurora.rl.learners.base import Learner
 from aurora.rl.tasks import Task
 
 
-def make_learner(spec: LearnerSpec, *, model: ModelSpec | None, task: Task, temperature: float,
-                 checkpoint_dir: Path | None, chat: bool = False) -> Learner:  # fmt: skip
+def make_learner(
+    spec: LearnerSpec,
+    *,
+    model: ModelSpec | None,
+    task: Task,
+    temperature: float,
+    checkpoint_dir: Path | None,
+    chat: bool = False,
+) -> Learner:
     """The learner ``spec`` describes (``model``: the topology's, paths resolved)."""
     if isinstance(spec, GrpoSpec):
         from aurora.rl.learners.grpo import GrpoLearner
 
-        return GrpoLearner(spec, model or ModelSpec(), task, temperature=temperature, checkpoint_dir=checkpoint_dir,
-                           chat=chat)  # fmt: skip
+        return GrpoLearner(
+            spec, model or ModelSpec(), task, temperature=temperature, checkpoint_dir=checkpoint_dir, chat=chat
+        )
     from aurora.rl.learners.synthetic import SyntheticLearner
 
     return SyntheticLearner(spec)

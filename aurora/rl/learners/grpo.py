@@ -125,8 +125,16 @@ def _common_prefix(seqs: list[list[int]], limit: int) -> int:
 class GrpoLearner:
     """See the module docstring. Not thread-safe: one caller (the trainer's publisher)."""
 
-    def __init__(self, spec: GrpoSpec, model: ModelSpec, task: Task, *, temperature: float,
-                 checkpoint_dir: Path | None = None, chat: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: GrpoSpec,
+        model: ModelSpec,
+        task: Task,
+        *,
+        temperature: float,
+        checkpoint_dir: Path | None = None,
+        chat: bool = False,
+    ) -> None:
         if temperature <= 0:
             raise ConfigError("GRPO needs sampled rollouts: engine.temperature must be > 0", path="engine.temperature")
         self.spec = spec
@@ -152,8 +160,9 @@ class GrpoLearner:
         )
 
     def _optimizer(self) -> torch.optim.AdamW:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr, betas=self.spec.betas,
-                                 weight_decay=self.spec.weight_decay)  # fmt: skip
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=self.spec.lr, betas=self.spec.betas, weight_decay=self.spec.weight_decay
+        )
 
     # -- versions
     def weights(self) -> Weights:
@@ -163,8 +172,9 @@ class GrpoLearner:
             cast = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
             bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
         if bad:
-            raise LearnerError(f"version {self.version} would hold non-finite values (first in {bad[0]!r}); "
-                               "not published")  # fmt: skip
+            raise LearnerError(
+                f"version {self.version} would hold non-finite values (first in {bad[0]!r}); not published"
+            )
         self._published = Weights.from_tensors(cast)
         return self._published
 
@@ -196,8 +206,11 @@ class GrpoLearner:
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.copy_(tensors[n])
-            log.warning("learner_restored_without_checkpoint", version=version,
-                        detail="master weights from the bf16 version; optimiser state starts afresh")  # fmt: skip
+            log.warning(
+                "learner_restored_without_checkpoint",
+                version=version,
+                detail="master weights from the bf16 version; optimiser state starts afresh",
+            )
         else:
             v, path = ckpt
             master = load_file(path / "master.safetensors")
@@ -237,8 +250,13 @@ class GrpoLearner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             opt.step()
             if step % 50 == 0 or step == spec.warm_start_steps:
-                log.info("warm_start", step=step, of=spec.warm_start_steps, loss=round(float(loss.detach()), 4),
-                         elapsed_s=round(time.monotonic() - t0, 1))  # fmt: skip
+                log.info(
+                    "warm_start",
+                    step=step,
+                    of=spec.warm_start_steps,
+                    loss=round(float(loss.detach()), 4),
+                    elapsed_s=round(time.monotonic() - t0, 1),
+                )
 
     def _pack(self, seqs: list[list[int]], starts: list[int]) -> _Packed:
         """``seqs`` (``starts[i]``: where sequence i's response begins) as a `_Packed` batch. The last
@@ -289,18 +307,27 @@ class GrpoLearner:
         n = max(1, len(rewards))
         stale = [self.version - 1 - comp.version for _, comp in batch]
         self.stats = {
-            "reward": round(sum(rewards) / n, 4), "accuracy": round(sum(c for sc in scored for c in sc.correct) / n, 4),
-            "groups": len(batch), "groups_skipped": sum(not sc.train for sc in scored), "samples": len(rewards),
+            "reward": round(sum(rewards) / n, 4),
+            "accuracy": round(sum(c for sc in scored for c in sc.correct) / n, 4),
+            "groups": len(batch),
+            "groups_skipped": sum(not sc.train for sc in scored),
+            "samples": len(rewards),
             "tokens": int(sum(len(s.tokens) for _, c in batch for s in c.samples)),
-            "loss": _mean(train.losses, 5), "kl": _mean(train.kls, 6), "clip_frac": _mean(train.clipped, 4),
+            "loss": _mean(train.losses, 5),
+            "kl": _mean(train.kls, 6),
+            "clip_frac": _mean(train.clipped, 4),
             "grad_norm": round(train.grad_norm, 4) if train.grad_norm is not None else None,
             "nonfinite_skipped": train.skipped,
             "staleness": round(sum(stale) / len(stale), 3) if stale else None,
             "learn_s": round(time.monotonic() - t0, 4),
-        }  # fmt: skip
+        }
         if train.skipped:
-            log.warning("learner_step_skipped", version=self.version, epochs=train.skipped,
-                        why="the loss or the gradient norm was not finite; the weights were left as they were")  # fmt: skip
+            log.warning(
+                "learner_step_skipped",
+                version=self.version,
+                epochs=train.skipped,
+                why="the loss or the gradient norm was not finite; the weights were left as they were",
+            )
         if (
             self.checkpoint_dir is not None
             and self.spec.checkpoint_every
@@ -317,8 +344,10 @@ class GrpoLearner:
         scores = [self.task.score(prompt.answer, self.tok.decode(s.tokens)) for s in comp.samples]
         r = torch.tensor([sc.reward for sc in scores])
         adv, std = group_advantages(r)  # all 0 for a flat group
-        rows: list[_Row] = [(comp.prompt_tokens, s.tokens, float(a), s.logprobs)
-                            for s, a in zip(comp.samples, adv.tolist(), strict=True)]  # fmt: skip
+        rows: list[_Row] = [
+            (comp.prompt_tokens, s.tokens, float(a), s.logprobs)
+            for s, a in zip(comp.samples, adv.tolist(), strict=True)
+        ]
         return _Scored(r.tolist(), [sc.correct for sc in scores], rows, std >= 1e-6 or not self.spec.skip_flat_groups)
 
     def _train(self, rows: list[_Row]) -> _Trained:
@@ -368,8 +397,14 @@ class GrpoLearner:
             if past is not None and st.parents is not None:
                 past.batch_select_indices(st.parents)
             last = st is p.stages[-1]
-            out = model(input_ids=st.ids, attention_mask=st.mask, position_ids=st.pos, past_key_values=past,
-                        use_cache=not last or past is not None, logits_to_keep=keep + 1 if last else 1)  # fmt: skip
+            out = model(
+                input_ids=st.ids,
+                attention_mask=st.mask,
+                position_ids=st.pos,
+                past_key_values=past,
+                use_cache=not last or past is not None,
+                logits_to_keep=keep + 1 if last else 1,
+            )
             past = out.past_key_values
         logits = out.logits[:, :-1].float() / (self.temperature if temperature is None else temperature)
         return torch.log_softmax(logits, -1).gather(-1, p.stages[-1].ids[:, -keep:, None])[..., 0]
@@ -391,6 +426,9 @@ class GrpoLearner:
     def _latest_checkpoint(self, at_most: int) -> tuple[int, Path] | None:
         if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
             return None
-        found = [(int(p.name[1:]), p) for p in self.checkpoint_dir.glob("v*")
-                 if (p / "meta.json").is_file() and p.name[1:].isdigit() and int(p.name[1:]) <= at_most]  # fmt: skip
+        found = [
+            (int(p.name[1:]), p)
+            for p in self.checkpoint_dir.glob("v*")
+            if (p / "meta.json").is_file() and p.name[1:].isdigit() and int(p.name[1:]) <= at_most
+        ]
         return max(found) if found else None
