@@ -1,7 +1,9 @@
 """`aurora run T.yaml`: every node of a topology on this machine, as separate processes.
 
-Nodes start parents first (a child waits until its parent has attached to the
-tree, so it is not refused and sent to a fallback). Each node's JSON log lines
+Nodes start parents first: a child starts once its parent has attached to the
+tree (so it is not refused and sent to a fallback), or, below the trainer, once
+the trainer listens (it loads its model first: a child dialling it earlier hears
+nothing and counts it lost). Each node's JSON log lines
 are read as they come (and kept as ``STATE/NODE.log``); the status display is
 the trainer's gathered status, read over the control channel as ``aurora
 status`` does (the versions seen in the logs until the trainer answers); the run
@@ -34,7 +36,7 @@ from aurora.actors.status import STATUS_EVERY_S, fetch_status, render
 from aurora.config.plan import Tree, plan
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
-from aurora.events import PARENT_ATTACHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.events import NODE_STARTED, PARENT_ATTACHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
 from aurora.protocol.messages import Snapshot
@@ -55,6 +57,7 @@ class NodeStatus:
     role: str
     version: int | None = None
     parent: str | None = None
+    listening: bool = False
     last: str = ""
 
 
@@ -82,9 +85,8 @@ class Cluster:
         return out
 
     def start(self, name: str) -> None:
-        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path),
-                "--name", name]  # fmt: skip
-        argv += ["--store", str(self.state / name), "--threads", str(self.codec_threads)]
+        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path)]
+        argv += ["--name", name, "--store", str(self.state / name), "--threads", str(self.codec_threads)]
         env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
         p = start_group(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         self.procs[name] = p
@@ -112,6 +114,8 @@ class Cluster:
                     st.version = int(e["version"])
                 elif ev == PARENT_ATTACHED:
                     st.parent = str(e.get("parent"))
+                elif ev == NODE_STARTED:
+                    st.listening = True
             if ev == STEP and name == self.topo.trainer.name and isinstance(e.get("version"), int):
                 self._sample_cpu(int(e["version"]))
 
@@ -134,13 +138,17 @@ class Cluster:
                 return f"node {name!r} exited with code {p.returncode}; its last log line: {self.status[name].last}"
         return None
 
-    def wait_attached(self, name: str, timeout_s: float) -> None:
+    def wait_ready(self, name: str, timeout_s: float) -> None:
+        """Until node ``name`` can take children: the trainer listening, any other node attached to its parent."""
+        st = self.status[name]
+        trainer = name == self.topo.trainer.name
         deadline = time.monotonic() + timeout_s
-        while self.status[name].parent is None:
+        while not (st.listening if trainer else st.parent is not None):
             if (why := self.died()) is not None:
                 raise AuroraError(why)
             if time.monotonic() > deadline:
-                raise AuroraError(f"node {name!r} did not attach to its parent within {timeout_s:.0f} s")
+                what = "start listening" if trainer else "attach to its parent"
+                raise AuroraError(f"node {name!r} did not {what} within {timeout_s:.0f} s")
             time.sleep(0.05)
 
     def done(self) -> bool:
@@ -163,8 +171,14 @@ class Cluster:
         end_groups(order, grace_s=STOP_GRACE_S, close_pipes=False)
 
 
-def run(path: Path, *, progress: Progress = print, interval_s: float = 1.0, state: Path | None = None,
-        cache: Path | None = None) -> dict[str, NodeStatus]:  # fmt: skip
+def run(
+    path: Path,
+    *,
+    progress: Progress = print,
+    interval_s: float = 1.0,
+    state: Path | None = None,
+    cache: Path | None = None,
+) -> dict[str, NodeStatus]:
     """Run the topology at ``path``; ``state`` defaults to ``runs/NAME-TIME`` (kept)."""
     topo = load_topology(path)
     tree = plan(topo, str(path))
@@ -234,8 +248,10 @@ def report(trainer_log: Path, state: Path, title: str, progress: Progress) -> No
     plot(rows, state / "metrics.png", title)
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     k = max(1, min(10, len(rewards) // 3))
-    progress(f"reward: first {k} steps {sum(rewards[:k]) / k:.3f}, last {k} steps {sum(rewards[-k:]) / k:.3f}; "
-             f"metrics: {state / 'metrics.jsonl'}, plot: {state / 'metrics.png'}")  # fmt: skip
+    progress(
+        f"reward: first {k} steps {sum(rewards[:k]) / k:.3f}, last {k} steps {sum(rewards[-k:]) / k:.3f}; "
+        f"metrics: {state / 'metrics.jsonl'}, plot: {state / 'metrics.png'}"
+    )
 
 
 def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, NodeStatus]:
@@ -250,9 +266,8 @@ def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, N
     try:
         progress(f"starting {len(topo.nodes)} nodes of {topo.name!r} (parents first)")
         for name in cluster.order():
-            parent = tree.parent[name]
-            if parent is not None and topo.node(parent).role != "trainer":
-                cluster.wait_attached(parent, ATTACH_TIMEOUT_S)
+            if (parent := tree.parent[name]) is not None:
+                cluster.wait_ready(parent, ATTACH_TIMEOUT_S)
             cluster.start(name)
         last = 0.0
         while not stopping and not cluster.done():
