@@ -836,11 +836,12 @@ class VersionFlow:
         while len(self.history) > self.keep_versions:
             self.history.popitem(last=False)
         snapshots = [v for v, h in self.history.items() if h.snapshot]
-        if len(snapshots) > KEEP_SNAPSHOTS:  # full weights each: only the newest are worth their memory,
+        if len(snapshots) > KEEP_SNAPSHOTS:
+            # full weights each: only the newest are worth their memory, and those still going out
             queued = {
                 _target(c)
                 for box in self.outboxes.values()
-                for c in box.queue  # and those still going out
+                for c in box.queue
                 if isinstance(c, SendChunk | SendManifest)
             }
             for v in snapshots[:-KEEP_SNAPSHOTS]:

@@ -195,8 +195,8 @@ async def run_node(
         heartbeat_s=hb.interval_s,
         suspect_after_s=hb.suspect_after_s,
         lost_after_s=hb.lost_after_s,
-        max_frame_bytes=MAX_MANIFEST_BYTES + 64 * 1024,
-    )  # the largest message a node sends
+        max_frame_bytes=MAX_MANIFEST_BYTES + 64 * 1024,  # the largest message a node sends
+    )
     structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
     if not keys.secure:
         log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")

@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
 from aurora.protocol.messages import Snapshot
 from aurora.rl.model import init_model_dir
-from aurora.runtime.processes import cpu_s, end_groups, start_group
+from aurora.runtime.processes import cpu_s, end_groups, node_argv, start_group
 
 Progress = Callable[..., None]
 """``progress(text)``: show a message; ``progress((snapshot, line), redraw=True)``: the cluster's status now
@@ -85,8 +84,7 @@ class Cluster:
         return out
 
     def start(self, name: str) -> None:
-        argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(self.path)]
-        argv += ["--name", name, "--store", str(self.state / name), "--threads", str(self.codec_threads)]
+        argv = node_argv(self.path, name, "--store", str(self.state / name), "--threads", str(self.codec_threads))
         env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
         p = start_group(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         self.procs[name] = p

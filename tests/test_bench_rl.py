@@ -35,9 +35,10 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
         tmp_path / "r1.log",
         [
             {"event": ENGINE_SWITCHED, "version": 3, "from_version": 2, "switch_ms": 400.0, "timestamp": at(6)},
+            # before the window:
             {"event": ENGINE_SWITCHED, "version": 1, "from_version": 0, "switch_ms": 900.0, "timestamp": at(1)},
         ],
-    )  # before the window
+    )
     m = measure(tmp_path, "trainer", ["r0", "r1"], warmup=1)  # window: step 2 (4 s) to step 6 (12 s)
     assert m["window_s"] == pytest.approx(8.0)
     assert m["tokens_s"] == pytest.approx(400 / 8.0)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from aurora.events import PARENT_ATTACHED, PARENT_LOST, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.runtime.processes import node_argv
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 60
@@ -52,9 +52,8 @@ def cluster(tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen[bytes]]
                 # attached is refused and takes its fallback (where it would then stay)
                 wait_until(lambda: all(_attached(logs[r]) for r in ("relay-a", "relay-b")), 180, "the relays to attach")
             with logs[n].open("wb") as err:
-                argv = [sys.executable, "-m", "aurora", "--log-format", "json", "node", "--topology", str(topo)]
                 procs[n] = subprocess.Popen(
-                    [*argv, "--name", n], stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+                    node_argv(topo, n), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
                 )
         yield procs, logs
     finally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from aurora.events import (
     VERSION_PUBLISHED,
     WORK_STARTED,
 )
+from aurora.runtime.processes import node_argv
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 80
@@ -80,20 +80,7 @@ class Cluster:
 
     def start(self, name: str) -> None:
         level = "debug" if name == "rollout-1" else "info"  # its lease grants and sends: see `held_leases`
-        argv = [
-            sys.executable,
-            "-m",
-            "aurora",
-            "--log-format",
-            "json",
-            "--log-level",
-            level,
-            "node",
-            "--topology",
-            str(self.topo),
-            "--name",
-            name,
-        ]
+        argv = node_argv(self.topo, name, log_level=level)
         if name == "trainer":
             argv += ["--store", str(self.store)]
         with self.logs[name].open("ab") as err:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ from aurora.errors import AuroraError
 from aurora.events import NODE_STARTED, PARENT_ATTACHED, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.rl.learners.synthetic import SyntheticLearner
-from aurora.runtime.processes import end_groups, group_cpu_s, peak_rss_bytes, pss_bytes
+from aurora.runtime.processes import end_groups, group_cpu_s, node_argv, peak_rss_bytes, pss_bytes
 from aurora.testing.wan import Host, Wan, unavailable_reason
 
 REGIONS = ["us", "eu", "asia", "sa"]
@@ -166,18 +165,7 @@ class _Cluster:
         self._polls = 0
 
     def start(self, name: str, region: str) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "aurora",
-            "--log-format",
-            "json",
-            "node",
-            "--topology",
-            str(self.path),
-            "--name",
-            name,
-        ]
+        argv = node_argv(self.path, name)
         with (self.work / f"{name}.log").open("wb") as err:
             self.procs[name] = self.hosts[region].popen(argv, stdout=subprocess.DEVNULL, stderr=err)
 

@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -24,6 +25,14 @@ from typing import Any
 import psutil
 
 Process = subprocess.Popen[bytes]
+
+
+def node_argv(topology: str | os.PathLike[str], name: str, *extra: str, log_level: str | None = None) -> list[str]:
+    """The command that runs node ``name`` of ``topology`` with this interpreter, logging JSON lines to
+    stderr (``extra``: more `aurora node` options, e.g. ``--store DIR``)."""
+    level = [] if log_level is None else ["--log-level", log_level]
+    head = [sys.executable, "-m", "aurora", "--log-format", "json", *level, "node"]
+    return [*head, "--topology", str(topology), "--name", name, *extra]
 
 
 def start_group(argv: Sequence[str], **popen: Any) -> Process:
