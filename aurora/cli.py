@@ -367,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _write_json(path: str, text: str) -> None:
+    """A bench's ``--json PATH``: whole or not at all (the store's crash-safe writer)."""
+    from aurora.store.atomic import write_bytes
+
+    write_bytes(Path(path), text.encode())
+
+
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -511,11 +518,11 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
                 _sizes(args.sizes), args.device, threads=max(1, args.threads), progress=lambda m: print(m, flush=True)
             )
             if args.json:
-                Path(args.json).write_text(json.dumps({"device": [asdict(r) for r in drows]}, indent=2))
+                _write_json(args.json, json.dumps({"device": [asdict(r) for r in drows]}, indent=2))
             return 1 if any(r.same_bytes is False for r in drows) else 0
         rows = run_scale(_sizes(args.sizes), progress=lambda m: print(m, flush=True))
         if args.json:
-            Path(args.json).write_text(json.dumps({"scale": [asdict(r) for r in rows]}, indent=2))
+            _write_json(args.json, json.dumps({"scale": [asdict(r) for r in rows]}, indent=2))
         return 0
     run(quick=args.quick, json_path=args.json, progress=lambda m: print(m, flush=True))
     return 0
@@ -610,7 +617,7 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     results = run(plan, versions=args.versions, progress=lambda m: print(m, flush=True))
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in results], indent=1))
+        _write_json(args.json, json.dumps([asdict(r) | {"ratio": r.ratio} for r in results], indent=1))
     return 0
 
 
@@ -675,7 +682,7 @@ def cmd_bench_rl(args: argparse.Namespace) -> int:
     r = bench(args.topology, steps=args.steps, warmup=args.warmup, progress=lambda t: print(t, flush=True))
     print(render(r))
     if args.json:
-        Path(args.json).write_text(to_json(r))
+        _write_json(args.json, to_json(r))
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aurora.runtime import Actor, ChildSpec, Supervisor
+from aurora.store.atomic import write_bytes
 
 
 class _Counter(Actor):
@@ -100,7 +101,7 @@ async def _measure(n: int, reps: int) -> dict[str, float]:
 def run(*, n: int = 200_000, reps: int = 3, json_path: str | None = None) -> dict[str, float]:
     r = asyncio.run(_measure(n, reps))
     if json_path:
-        Path(json_path).write_text(json.dumps(r, indent=2))
+        write_bytes(Path(json_path), json.dumps(r, indent=2).encode())
     print(f"in-process actor messaging, {n} messages, best of {reps}:")
     print(f"  bare asyncio.Queue put/get   {r['bare_queue_msgs_per_s']:>12,.0f} msg/s")
     print(

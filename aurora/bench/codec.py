@@ -25,6 +25,7 @@ from aurora.codec import Weights, apply_in_place, encode
 from aurora.codec.choice import CodecSpeed
 from aurora.codec.encoder import Coding
 from aurora.codec.format import HEADER_BYTES, pack_manifest
+from aurora.store.atomic import write_bytes
 
 
 @dataclass
@@ -178,7 +179,7 @@ def run(
     )
     result: dict[str, object] = {"sizes": [asdict(r) for r in sizes], "speed": asdict(speed)}
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        write_bytes(Path(json_path), json.dumps(result, indent=2).encode())
     progress(format_tables(sizes, speed))
     return result
 

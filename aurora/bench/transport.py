@@ -28,6 +28,7 @@ from typing import Any
 
 from aurora.errors import AuroraError
 from aurora.runtime.processes import end_group, start_group
+from aurora.store.atomic import write_bytes
 from aurora.testing.wan import Host, Wan, unavailable_reason
 
 LOOP_REPEATS = 3
@@ -125,7 +126,7 @@ def run(
             rows += _wan_rows(loss, wan_mib, streams, rtc_streams, progress)
     _print(rows, streams, rtc_streams, reason)
     if json_path:
-        Path(json_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        write_bytes(Path(json_path), json.dumps([asdict(r) for r in rows], indent=1).encode())
     return rows
 
 
