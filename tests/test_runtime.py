@@ -192,6 +192,22 @@ async def test_ask_times_out() -> None:
     await task
 
 
+async def test_ask_into_a_full_mailbox_times_out_while_waiting_for_room() -> None:
+    sup = Supervisor("root", [ChildSpec("a", actor=lambda: Echo("a"), shutdown_timeout_s=0.1)])
+    task = await _running(sup)
+    a = sup.ref("a")
+    busy = asyncio.create_task(a.ask(("sleep", 0.5)))
+    await asyncio.sleep(0.02)
+    for i in range(Echo.mailbox_size):
+        assert a.try_tell(i)
+    assert not a.try_tell("overflow")  # full: the next ask waits for room, under its timeout
+    with pytest.raises(TimeoutError, match=r"ask to actor 'a' timed out after 0\.05 s"):
+        await a.ask("late", timeout_s=0.05)
+    await busy
+    sup.stop()
+    await task
+
+
 async def test_transient_and_temporary_children() -> None:
     sup = Supervisor(
         "root",

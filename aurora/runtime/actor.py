@@ -294,7 +294,8 @@ class ActorRef:
 
         if not cell.try_put(env):
             try:
-                return await self.clock.wait_for(exchange(), timeout_s)
+                async with self.clock.timeout(timeout_s):
+                    return await exchange()
             except TimeoutError:
                 raise TimeoutError(f"ask to actor {self.name!r} timed out after {timeout_s} s") from None
 

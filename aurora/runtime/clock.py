@@ -34,13 +34,9 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from types import TracebackType
-from typing import Protocol, TypeVar, cast
-
-from aurora.runtime.groups import wait_first
-
-T = TypeVar("T")
+from typing import Protocol
 
 SETTLE_ROUNDS = 10_000
 """`VirtualClock.advance` lets woken tasks run after each deadline until nothing else is ready, at
@@ -90,10 +86,6 @@ class Clock(Protocol):
         """`timeout_at` ``delay_s`` from now (None: never)."""
         ...
 
-    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
-        """Await ``aw``; raise `TimeoutError` after ``timeout_s`` (``aw`` is cancelled)."""
-        ...
-
 
 async def _wait_until(clock: Clock, event: asyncio.Event, deadline: float | None) -> bool:
     """`Clock.wait_until` for any clock with `now` and `timeout_at`."""
@@ -134,10 +126,6 @@ class LoopClock:
 
     def timeout(self, delay_s: float | None) -> Timeout:
         return asyncio.timeout(delay_s)
-
-    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
-        async with asyncio.timeout(timeout_s):
-            return await aw
 
 
 class VirtualClock:
@@ -186,12 +174,6 @@ class VirtualClock:
 
     def timeout(self, delay_s: float | None) -> Timeout:
         return _VirtualTimeout(self, None if delay_s is None else self._now + delay_s)
-
-    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
-        task, _ = await wait_first(aw, self.sleep(timeout_s))
-        if not task.cancelled():
-            return cast(T, task.result())
-        raise TimeoutError(f"timed out after {timeout_s} s of virtual time")
 
     def next_timer(self) -> float | None:
         """When the earliest pending timer is due (None: none is)."""

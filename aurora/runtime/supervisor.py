@@ -301,7 +301,8 @@ class Supervisor:
             elif c.sup is not None:
                 c.sup.stop()
             try:
-                await self.clock.wait_for(asyncio.shield(c.exit_seen.wait()), c.spec.shutdown_timeout_s)
+                async with self.clock.timeout(c.spec.shutdown_timeout_s):
+                    await c.exit_seen.wait()
             except TimeoutError:
                 log.warning(
                     CHILD_SHUTDOWN_TIMEOUT, supervisor=self.name, child=c.spec.name, timeout_s=c.spec.shutdown_timeout_s
