@@ -115,10 +115,6 @@ def pss_bytes(pid: int) -> int | None:
     hold together, where their resident sizes would count the shared libraries once each). None once it
     is gone or where the kernel does not say."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return int(psutil.Process(pid).memory_full_info().pss)
+    except (psutil.Error, AttributeError):  # AttributeError: a platform without Pss
         return None
-    return None
