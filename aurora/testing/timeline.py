@@ -96,6 +96,6 @@ class Timeline:
     async def run_for(self, delta_s: float) -> None:
         """Let ``delta_s`` of virtual time pass, every deadline in it met with everything run between."""
         end = self.clock.now() + delta_s
-        await self.run_until(lambda: (self.clock.next_timer() or end + 1) > end, within_s=delta_s)
+        await self.run_until(lambda: (t := self.clock.next_timer()) is None or t > end, within_s=delta_s)
         await self.clock.advance_to(end)
         await self.idle()
