@@ -56,7 +56,7 @@ import asyncio
 import contextlib
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
@@ -258,8 +258,7 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
     if spec.listen is not None:
         specs.append(ChildSpec("children", actor=lambda: _Children(node, zt)))
     if parent is not None:
-        order = node.rules.order(name)
-        specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, order, lost_after_s)))
+        specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, lost_after_s)))
     if node.pool is not None:
         pool, board = node.pool, node.board
         specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, board, node.flow, node.down)))
@@ -725,14 +724,13 @@ class _Uplink(Actor):
     it what that parent says and does, carries out its commands and logs its events. Its time is the
     actor's clock (the node's): the machine's ``now`` and every wait."""
 
-    def __init__(self, node: Node, zt: NodeTransport, order: Sequence[str], lost_after_s: float) -> None:
+    def __init__(self, node: Node, zt: NodeTransport, lost_after_s: float) -> None:
         self.node = node
         self.zt = zt
-        self.order = order
         self.lost_after_s = lost_after_s
 
     async def main(self) -> None:
-        up = membership.Uplink(self.node.place, self.order, self.lost_after_s, self.clock.now())
+        up = membership.Uplink(self.node.place, self.lost_after_s, self.clock.now())
         while True:
             for out in up.tick(await self.clock.sleep_until(up.next_deadline())):
                 assert isinstance(out, membership.Dial), out  # detached, the machine only dials

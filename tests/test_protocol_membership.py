@@ -156,7 +156,7 @@ class MembershipTree(RuleBasedStateMachine):
 
     def _start(self, n: str) -> None:
         place = Place(n, self.topo_rules)
-        up = None if n == TRAINER else Uplink(place, self.topo_rules.order(n), self.lost_after_s, self.now)
+        up = None if n == TRAINER else Uplink(place, self.lost_after_s, self.now)
         self.nodes[n] = Sim(place, up, started=self.now)
         self.dead.discard(n)
 
@@ -386,7 +386,7 @@ def test_a_node_waits_for_its_planned_parent_then_returns_to_it_after_the_hyster
         {TRAINER: None, "r": TRAINER, "w": "r"}, {"w": (TRAINER,)}, {TRAINER: "trainer", "r": "relay", "w": "rollout"}
     )
     place = Place("w", rules)
-    up = Uplink(place, rules.order("w"), lost_after_s=1.0, now=0.0)
+    up = Uplink(place, lost_after_s=1.0, now=0.0)
     assert up.tick(0.0) == [Dial("r")]
     now = 0.0
     while now < PLANNED_PATIENCE_S:  # the relay is not up yet: the planned parent again and again

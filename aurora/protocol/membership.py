@@ -289,18 +289,19 @@ class _Outcome(enum.Enum):
 
 
 class Uplink:
-    """The uplink of node ``place.name`` over ``order`` (its planned parent first); see the module
-    docstring. Inputs take ``now`` and return the outputs, in order; `next_deadline()` is when to
+    """The uplink of node ``place.name`` over its parents in order (`TreeRules.order`: the planned
+    one first); see the module docstring. Inputs take ``now`` and return the outputs, in order; `next_deadline()` is when to
     call `tick` next (None: only an event moves it)."""
 
-    def __init__(self, place: Place, order: Sequence[str], lost_after_s: float, now: float) -> None:
+    def __init__(self, place: Place, lost_after_s: float, now: float) -> None:
+        order = place.rules.order(place.name)
         if not order:
             raise ValueError("a node with an uplink has a parent to dial")
         if place.name in order:
             raise ValueError(f"{place.name!r} cannot be its own parent")
         self.place = place
         self.name = place.name
-        self.order = tuple(order)
+        self.order = order
         self.planned = self.order[0]
         self.lost_after_s = lost_after_s
         self.return_after_s = RETURN_AFTER_LOST * lost_after_s
