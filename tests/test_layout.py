@@ -236,12 +236,12 @@ def _time_reads(path: Path) -> list[tuple[int, str]]:
     for c in calls:
         name = ast.unparse(c.func)
         recv, _, attr = name.rpartition(".")
-        timed = [k.arg for k in c.keywords if k.arg in ("timeout", "timeout_s")]
+        timed = [k.arg for k in c.keywords if k.arg == "timeout"]
         if attr == "time" and recv not in ("", "time") and not c.args:
             out.append((c.lineno, c.col_offset, f"{name}()"))  # an event loop's clock
         elif attr in ("call_later", "call_at") and "clock" not in recv:
             out.append((c.lineno, c.col_offset, name))  # a loop timer
-        elif name in ("asyncio.wait", "wait_first") and timed:
+        elif name == "asyncio.wait" and timed:
             out.append((c.lineno, c.col_offset, f"{name}({timed[0]}=...)"))
     return [(line, what) for line, _, what in sorted(out)]
 
@@ -265,7 +265,7 @@ def test_the_time_check_finds_what_it_forbids(tmp_path: Path) -> None:
         "    t0 = time.perf_counter()\n    await asyncio.sleep(0)\n    await asyncio.sleep(0.1)\n"
         "    now = time.monotonic() + loop.time() + asyncio.get_running_loop().time()\n"
         "    async with asyncio.timeout(1):\n        await ev.wait()\n"
-        "    await asyncio.wait([ev.wait()], timeout=1)\n    await wait_first(ev.wait(), timeout_s=1)\n"
+        "    await asyncio.wait([ev.wait()], timeout=1)\n"
         "    loop.call_later(1, print)\n    self.clock.call_later(1, print)\n_now = time.monotonic\n"
     )
     assert [what for _, what in _time_reads(f)] == [
@@ -276,7 +276,6 @@ def test_the_time_check_finds_what_it_forbids(tmp_path: Path) -> None:
         "asyncio.get_running_loop().time()",
         "asyncio.timeout",
         "asyncio.wait(timeout=...)",
-        "wait_first(timeout_s=...)",
         "loop.call_later",
         "time.monotonic",
     ]

@@ -46,14 +46,14 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
         await asyncio.wait(tasks)
 
 
-async def wait_first(*aws: Awaitable[Any], timeout_s: float | None = None) -> list[asyncio.Future[Any]]:
-    """Run ``aws`` until the first of them ends (or ``timeout_s`` passes); cancel and await the
-    rest. Returns their futures in argument order, every one finished: one that ended by itself
+async def wait_first(*aws: Awaitable[Any]) -> list[asyncio.Future[Any]]:
+    """Run ``aws`` until the first of them ends; cancel and await the rest (a time limit is the
+    caller's `Clock.timeout` around the call). Returns their futures in argument order, every one finished: one that ended by itself
     is not ``cancelled()`` (read its ``result()``). Cancellation-safe: cancelled, it ends them all
     before the `CancelledError` goes on."""
     futs: list[asyncio.Future[Any]] = [asyncio.ensure_future(a) for a in aws]
     try:
-        await asyncio.wait(futs, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(futs, return_when=asyncio.FIRST_COMPLETED)
     finally:
         await cancel_and_wait(*[f for f in futs if not f.done()])
     return futs
