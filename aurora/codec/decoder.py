@@ -20,7 +20,7 @@ import numpy as np
 
 from aurora.codec import kernels
 from aurora.codec.format import Chunk, ChunkKind, Manifest, chunk_range, unpack_chunk
-from aurora.codec.parallel import ordered_map
+from aurora.codec.parallel import ordered_map, pairs_pay
 from aurora.codec.weights import TensorBits, Weights
 from aurora.errors import DeltaFormatError
 
@@ -195,7 +195,7 @@ def _decode_jobs(
     """Decode ``items`` (in order) against ``base`` on ``threads`` threads, a `located_pairs` job at a time:
     each job's chunk keys with its patches, or the error that job's chunks raised."""
     located = sum(1 for _, c in items if c.header.kind is ChunkKind.DELTA and c.header.n_changed)
-    pair = threads <= 1 or located >= 2 * threads  # pairs only where they do not leave a thread idle
+    pair = pairs_pay(located, threads)
 
     def job(
         group: list[tuple[tuple[int, int], Chunk]],

@@ -33,7 +33,7 @@ from aurora.codec.format import (
     pack_manifest,
     varint_bytes,
 )
-from aurora.codec.parallel import ordered_map
+from aurora.codec.parallel import ordered_map, pairs_pay
 from aurora.codec.weights import TensorBits, Weights
 from aurora.errors import DeltaFormatError
 
@@ -200,7 +200,7 @@ def iter_chunks(
         return base is not None and find is None and coding_here(manifest.tensors[ti].name) is Coding.CONDITIONED
 
     ranked_chunks = sum(e.n_chunks for ti, e in enumerate(manifest.tensors) if manifest.carries(e) and ranked(ti))
-    pair = threads <= 1 or ranked_chunks >= 2 * threads  # pairs only where they do not leave a thread idle
+    pair = pairs_pay(ranked_chunks, threads)
 
     def jobs() -> Iterator[tuple[tuple[int, int], ...]]:
         """The chunks in order, two at a time where both are ranked spans of one dtype (`code`)."""

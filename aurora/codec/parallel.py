@@ -15,6 +15,12 @@ J = TypeVar("J")
 R = TypeVar("R")
 
 
+def pairs_pay(ranked_chunks: int, threads: int) -> bool:
+    """Whether to rank chunks two at a time (the pair kernels: two count chains per loop): always on
+    one thread; on several, only where the pairs still give every thread work."""
+    return threads <= 1 or ranked_chunks >= 2 * threads
+
+
 def ordered_map(fn: Callable[[J], R], jobs: Iterable[J], threads: int) -> Iterator[R]:
     if threads <= 1:
         for j in jobs:
