@@ -585,6 +585,7 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from aurora.bench.sync import KINDS, configs, run, table
+    from aurora.config.topology import SYNC_CODINGS
 
     try:
         params = [_count(x) for x in args.params.split(",") if x.strip()]
@@ -603,8 +604,8 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     if not kinds or any(k not in KINDS for k in kinds):
         raise AuroraError(f"--configs must name some of {', '.join(KINDS)}, got {args.configs!r}")
     codings = [c.strip() for c in args.coding.split(",") if c.strip()]
-    if not codings or any(c not in ("conditioned", "sparse", "auto") for c in codings):
-        raise AuroraError(f"--coding must name some of conditioned, sparse, auto, got {args.coding!r}")
+    if not codings or any(c not in SYNC_CODINGS for c in codings):
+        raise AuroraError(f"--coding must name some of {', '.join(SYNC_CODINGS)}, got {args.coding!r}")
     if args.rollouts < 1:
         raise AuroraError("--rollouts must be at least 1")
     import signal

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 
@@ -164,6 +164,10 @@ class PlanSpec:
     """Delta size the planner optimises the tree for."""
 
 
+SyncCoding = Literal["conditioned", "sparse", "auto"]
+SYNC_CODINGS: tuple[str, ...] = get_args(SyncCoding)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncSpec:
     full_weights: bool = False
@@ -171,7 +175,7 @@ class SyncSpec:
     deliver: bool = True
     """False: the trainer keeps its versions to itself (rollouts stay on the version they first got).
     Only for the sync-free ideal that `aurora bench rl` compares against; not a way to train."""
-    coding: Literal["conditioned", "sparse", "auto"] = "conditioned"
+    coding: SyncCoding = "conditioned"
     """How the trainer codes changed positions: ``conditioned`` (ranks in base-exponent buckets, the fewest
     bytes), ``sparse`` (gaps and values: ~4x the bytes, O(changes) to apply), ``auto`` (per tensor, by the
     link and this machine's measured codec speed; `aurora.actors.coding`)."""
