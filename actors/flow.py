@@ -71,6 +71,7 @@ from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError
 from aurora.events import ANCHOR_NOT_WRITTEN, CATCH_UP_SENT, SNAPSHOT_SENT, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import (
+    CatchUp,
     Command,
     Compose,
     DeltaInfo,
@@ -731,10 +732,10 @@ class VersionFlow:
             store.prune(keep_last=max(store.anchor_every, self.keep_versions) * 2)
         return kept is Keep.DELTA_THEN_ANCHOR
 
-    async def _send_composed(self, ch: Channel, have: int) -> bool:
+    async def _send_composed(self, ch: Channel, have: int, reason: str) -> bool:
         """One delta from the child's version (read back from the store) to the current one; False
-        when a snapshot would be as small (the encoder's ``prefer_snapshot``: then the caller sends
-        the choice's ``otherwise``)."""
+        when a snapshot would be as small (the encoder's ``prefer_snapshot``: then the caller chooses
+        again without the store)."""
         assert self.store is not None
         store = self.store
 
@@ -747,7 +748,7 @@ class VersionFlow:
             return False
         version, seal, (manifest, chunks) = made
         await _send_delta(ch, have, version, manifest, chunks, seal)
-        log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, composed=True, base=have, version=version)
+        log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, composed=True, base=have, version=version, reason=reason)
         return True
 
     async def _made(self, have: int | None, make: Any) -> tuple[int, SealWire | None, Any] | None:
@@ -773,24 +774,27 @@ class VersionFlow:
 
     async def _catch_up(self, ch: Channel, cmd: SendCatchUp) -> None:
         """Send a behind child what `choose_catch_up` chooses; the one thing decided here is a composed
-        delta too big to be worth it (`_send_composed`), when the choice's ``otherwise`` goes instead."""
+        delta too big to be worth it (`_send_composed`), when the choice made without the store goes
+        instead. Each send logs the choice's reason."""
         have, store = cmd.from_version, self.store
-        complete = {v: s.snapshot for v, s in self.history.items() if s.complete}
-        stored = store is not None and have is not None and have in store
-        choice = choose_catch_up(have, cmd.to_version, complete, stored=stored)
-        if isinstance(choice, Compose):
-            if await self._send_composed(ch, choice.base):
-                return
-            # the history may have moved on while the composed delta was made: choose again without it
+
+        def choose(stored: bool) -> CatchUp:
             complete = {v: s.snapshot for v, s in self.history.items() if s.complete}
-            choice = choose_catch_up(have, cmd.to_version, complete, stored=False)
+            return choose_catch_up(have, cmd.to_version, complete, stored=stored)
+
+        choice = choose(store is not None and have is not None and have in store)
+        if isinstance(choice, Compose):
+            if await self._send_composed(ch, choice.base, choice.reason):
+                return
+            # the history may have moved on while the composed delta was made: choose from it as it is
+            choice = choose(False)
         if isinstance(choice, Replay):
             chain = [(v, self.history[v]) for v in range(choice.first, choice.to + 1)]  # held while they go
             for v, s in chain:
                 await _send_delta(
                     ch, None if s.snapshot else v - 1, v, s.manifest, [c for c in s.chunks if c is not None], s.seal
                 )
-            log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, versions=len(chain))
+            log.info(CATCH_UP_SENT, node=self.name, child=ch.peer, versions=len(chain), reason=choice.reason)
             return
         if self.weights is None:
             raise ProtocolError(f"{self.name}: no weights to send {ch.peer!r} a snapshot from", remote=False)
@@ -811,7 +815,7 @@ class VersionFlow:
             if not self._sending[key]:  # the size of the weights: kept made only while it is being sent
                 del self._sending[key]
                 self._served.pop(key, None)
-        log.info(SNAPSHOT_SENT, node=self.name, child=ch.peer, version=version)
+        log.info(SNAPSHOT_SENT, node=self.name, child=ch.peer, version=version, reason=choice.reason)
 
     def touched_since(self, version: int | None) -> frozenset[str] | None:
         """Tensors changed from ``version`` to the current one; None when not known (then: all)."""

@@ -207,7 +207,6 @@ def test_a_catch_up_replays_the_shortest_chain_composes_only_from_the_store_else
         assert stored
         assert got.base == have
         assert got.to == to
-        assert got.otherwise == alone
         assert not chains or max(chains) < to, "a child one delta behind gets the history's delta"
     else:
         assert got == alone
@@ -228,10 +227,14 @@ def test_catch_up_choices_and_their_reasons() -> None:
     composed = routing.choose_catch_up(4, 7, history, stored=True)
     assert isinstance(composed, routing.Compose)
     assert composed.reason == "v4 is stored, 3 versions to replay: one composed delta"
-    assert composed.otherwise == routing.Replay(5, 7, "the history holds v5..v7, from the delta on v4")
+    assert routing.choose_catch_up(4, 7, history, stored=False) == routing.Replay(
+        5, 7, "the history holds v5..v7, from the delta on v4"
+    )
     far = routing.choose_catch_up(1, 7, history, stored=True)
     assert isinstance(far, routing.Compose)
-    assert far.otherwise == routing.Snapshot(7, "the history holds no way from v1 to v7")
+    assert routing.choose_catch_up(1, 7, history, stored=False) == routing.Snapshot(
+        7, "the history holds no way from v1 to v7"
+    )
     assert routing.choose_catch_up(None, 7, history, stored=False) == routing.Snapshot(7, "the child holds nothing")
     full = {5: True, 6: True, 7: True}  # full-weight mode: one snapshot, not the chain of them
     assert routing.choose_catch_up(2, 7, full, stored=False) == routing.Replay(

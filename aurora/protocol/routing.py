@@ -36,8 +36,8 @@ holds ``have``):
 
 A composed delta that comes out about as big as a snapshot (the encoder's
 ``prefer_snapshot``: only the driver, holding the weights, can know) is not sent:
-the driver sends `Compose.otherwise` instead, which is what the choice is without
-the store. A composed delta or a snapshot is made from the version the node holds
+the driver chooses again with ``stored=False`` (from the history as it is by then)
+and sends that. A composed delta or a snapshot is made from the version the node holds
 when it makes it, which may be newer than ``to``.
 
 Invariants (tests/test_protocol_routing.py, against a brute-force reference): a
@@ -213,12 +213,11 @@ class Snapshot:
 @dataclass(frozen=True, slots=True)
 class Compose:
     """Send one delta from ``base`` (read back from the store) to the weights held; when it comes out
-    about as big as a snapshot, send ``otherwise``."""
+    about as big as a snapshot, the driver chooses again without the store."""
 
     base: int
     to: int
     reason: str
-    otherwise: Replay | Snapshot
 
 
 CatchUp = Replay | Compose | Snapshot
@@ -244,5 +243,5 @@ def choose_catch_up(have: int | None, to: int, history: Mapping[int, bool], *, s
         fallback = Snapshot(to, f"the history holds no way from v{have} to v{to}")
     if stored and have is not None and (first is None or first < to):
         why = "beyond the history" if first is None else f"{to - first + 1} versions to replay"
-        return Compose(have, to, f"v{have} is stored, {why}: one composed delta", fallback)
+        return Compose(have, to, f"v{have} is stored, {why}: one composed delta")
     return fallback
