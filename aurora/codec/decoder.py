@@ -381,16 +381,17 @@ class StagedDelta:
         try:
             for p in self.patches:
                 dst = weights[p.name].bits
-                if p.idx is None:
-                    old = dst[p.start : p.start + p.n].copy() if restore else p.new[:0]
+                if not restore:
+                    if p.idx is None:
+                        dst[p.start : p.start + p.n] = p.new
+                    else:
+                        dst[p.idx] = p.new
+                elif p.idx is None:
+                    undo.append((p, dst[p.start : p.start + p.n].copy()))
                     dst[p.start : p.start + p.n] = p.new
-                elif restore:
+                else:
                     old = np.empty_like(p.new)
                     kernels.scatter(dst, p.idx, p.new, old)
-                else:
-                    dst[p.idx] = p.new
-                    continue
-                if restore:
                     undo.append((p, old))
             weights.forget_digests({p.name for p in self.patches})  # the others' bits did not change
             check_target(m, weights.tensor_digests())
