@@ -70,10 +70,9 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
 
 
-def _rne_bf16_bits(f: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns, rounded to nearest even (what ``tensor.to(torch.bfloat16)`` does)."""
-    x = f.view(np.uint32)
-    return ((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+def _bf16_bits(f: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns, as a trainer casts its masters (``tensor.to(torch.bfloat16)``)."""
+    return torch.from_numpy(f).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def _tensor_pairs(
@@ -99,7 +98,7 @@ def adam_pair(n: int, lr: float, seed: int) -> tuple[Weights, Weights]:
     def make(rng: np.random.Generator, m: int) -> tuple[np.ndarray, np.ndarray]:
         master = rng.standard_normal(m, dtype=np.float32) * np.float32(0.02)
         update = np.clip(rng.standard_normal(m, dtype=np.float32), -3, 3) * np.float32(lr)
-        return _rne_bf16_bits(master), _rne_bf16_bits(master - update)
+        return _bf16_bits(master), _bf16_bits(master - update)
 
     return _tensor_pairs(n, seed, make)
 
