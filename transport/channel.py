@@ -194,7 +194,7 @@ class ChannelBase:
                         BAD_MESSAGE, peer=self.peer, reason=out.reason[:300], suppressed=suppressed, faults=out.faults
                     )
             elif isinstance(out, PeerLost):
-                self._lost(out.silent_s)
+                log.warning("peer_lost", peer=self.peer, silent_s=round(out.silent_s, 2))
             elif isinstance(out, PeerRejoined):
                 self._rejoined(out.incarnation)
             elif isinstance(out, Closed):
@@ -214,9 +214,6 @@ class ChannelBase:
 
     async def _flush_close(self) -> None:
         """Hook: the close frame is out; wait (bounded) for queued bytes to leave."""
-
-    def _lost(self, silent_s: float) -> None:
-        """Hook: the peer was silent too long (the channel closes next)."""
 
     def _rejoined(self, incarnation: int) -> None:
         """Hook: the peer restarted (the channel closes next; its transport may open a fresh one)."""

@@ -255,7 +255,6 @@ class WebRtcChannel(ChannelBase):
 
     def __init__(
         self,
-        node_id: str,
         peer: str,
         pc: RTCPeerConnection,
         dc: RTCDataChannel,
@@ -354,9 +353,6 @@ class WebRtcChannel(ChannelBase):
     def _on_state(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):
             self._shut(f"peer connection {self.pc.connectionState}")
-
-    def _lost(self, silent_s: float) -> None:
-        log.warning("peer_lost", peer=self.peer, silent_s=round(silent_s, 2))
 
     def _on_shut(self) -> None:
         self._room_ev.set()
@@ -459,7 +455,7 @@ class WebRtcTransport:
             raise
         finally:
             del self._pending[cid]
-        ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg, self.clock)
+        ch = WebRtcChannel(peer, pc, dc, self.cfg, self.clock)
         ch.start_in(self._tg)
         log.info("webrtc_connected", node=self.node_id, peer=peer, id=cid)
         return ch
@@ -567,7 +563,7 @@ class WebRtcTransport:
         except BaseException:
             await pc.close()
             raise
-        ch = WebRtcChannel(self.node_id, peer, pc, dc, self.cfg, self.clock)
+        ch = WebRtcChannel(peer, pc, dc, self.cfg, self.clock)
         self._open[peer] = self._open.get(peer, 0) + 1
         ch.on_close(lambda: self._closed_one(peer))
         assert self._tg is not None

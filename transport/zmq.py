@@ -188,9 +188,6 @@ class ZmqChannel(ChannelBase):
                 return
             self._received(link, Message(msg, tuple(rest[1:])))
 
-    def _lost(self, silent_s: float) -> None:
-        log.warning("peer_lost", node=self._link.node_id, peer=self.peer, silent_s=round(silent_s, 2))
-
     def _rejoined(self, incarnation: int) -> None:
         log.info("peer_restarted", node=self._link.node_id, peer=self.peer, incarnation=incarnation)
         self.rejoined = True

@@ -51,10 +51,6 @@ class MemoryChannel(ChannelBase):
         self._held: list[Callable[[], None]] | None = None
         """While held: what this end sent, not delivered yet."""
 
-    @property
-    def held(self) -> bool:
-        return self._held is not None
-
     def hold(self) -> None:
         """From now on what this end sends waits here, undelivered (see the module docstring)."""
         if self._held is None:
