@@ -44,7 +44,7 @@ from aurora.config.topology import LeaseSpec
 from aurora.errors import ActorDead, TransportClosed
 from aurora.events import ENGINE_SWITCHED, LEASE_EXPIRED, LEASE_GIVEN_UP, LEASES_GRANTED, RESULT_SENT, WORK_STARTED
 from aurora.logs import Throttle
-from aurora.protocol.leases import Lease, LeaseHolder
+from aurora.protocol.leases import LeaseHolder
 from aurora.protocol.messages import (
     AppMessage,
     Grant,
@@ -55,7 +55,7 @@ from aurora.protocol.messages import (
     Verdict,
     Want,
 )
-from aurora.protocol.workpool import Accepted, Rejected, WorkPool
+from aurora.protocol.workpool import Accepted, Rejected, WorkPool, leases_in, renew_messages
 from aurora.rl.engines import Engine, WeightUpdate
 from aurora.rl.types import Completion, Prompt
 from aurora.runtime import Actor, unwrap_group, wait_first
@@ -225,7 +225,7 @@ class Worker(Actor):
     async def receive(self, msg: Message) -> None:
         m, now = msg.msg, self.clock.now()
         if isinstance(m, Grant):
-            got = [Lease(g.item, self.name, g.token, now, now + g.ttl_s) for g in m.leases]
+            got = leases_in(m, self.name, now)
             self.holder.on_granted(got, now)
             self._leases_moved.set()
             self.group_size = m.n
@@ -236,7 +236,7 @@ class Worker(Actor):
                 log.info(WORK_STARTED, leases=len(got))
             self.granted.set()
         elif isinstance(m, Renewed):
-            self.holder.on_renewed([Lease(x.item, self.name, x.token, now, now + x.ttl_s) for x in m.leases], now)
+            self.holder.on_renewed(leases_in(m, self.name, now), now)
             self._leases_moved.set()
         elif isinstance(m, Verdict):
             if m.ok:
@@ -267,9 +267,8 @@ class Worker(Actor):
             for ev in self.holder.events():
                 self.prompts.pop(cast(int, ev.lease.item), None)
                 log.info(LEASE_GIVEN_UP, item=ev.lease.item, token=ev.lease.token.hex()[:8])
-            tokens = self.holder.renewals_due(now)
-            for i in range(0, len(tokens), 256):
-                await self.up(Renew(w=self.name, tokens=tokens[i : i + 256]), ())
+            for renew in renew_messages(self.name, self.holder.renewals_due(now)):
+                await self.up(renew, ())
 
     async def _batch(self) -> None:
         if self.flow.version is None:  # nothing to serve until the first version arrives

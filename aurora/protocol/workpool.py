@@ -7,6 +7,8 @@ the message that goes back (`Grant`, `Renewed`, `Verdict`) and a result's outcom
 Outputs: what each call returns (grants, verdicts as values, a batch or None),
 lease expiries from `expire`, `next_deadline()`. No clock, no I/O, no logging: the
 `aurora.actors.work.Coordinator` drives it, and `aurora.testing.leasesim` simulates it.
+The worker's side of the same messages, for the worker and the simulation alike: `leases_in`
+(a grant or renewal as held leases) and `renew_messages`.
 
 Rules and invariants (tests/test_workpool.py holds it to them):
 
@@ -47,6 +49,7 @@ from typing import cast
 
 from aurora.protocol.leases import Lease, LeaseExpired, LeaseTable, ResultRejected, Token
 from aurora.protocol.messages import (
+    MAX_LEASES,
     MAX_REASON_CHARS,
     Grant,
     LeaseGrant,
@@ -62,6 +65,18 @@ from aurora.rl.types import Completion, Prompt, Sample
 MIN_BEHAVIOUR_LOGPROB = -50.0
 """A sampled token had at least this log-probability under the weights that sampled it (e^-50 ≈ 2e-22:
 no sampler picks such a token); a lower one is a lie that would blow up the importance ratio."""
+
+
+def leases_in(msg: Grant | Renewed, worker: str, now: float) -> list[Lease]:
+    """The worker's side of a `Grant` or `Renewed`: its leases as ``worker`` holds them, each TTL
+    counted from ``now``, when it arrived (the `LeaseHolder` is given these)."""
+    return [Lease(x.item, worker, x.token, now, now + x.ttl_s) for x in msg.leases]
+
+
+def renew_messages(worker: str, tokens: Sequence[Token]) -> list[Renew]:
+    """``tokens`` due for renewal (`LeaseHolder.renewals_due`), as `Renew` messages of at most
+    `MAX_LEASES` each."""
+    return [Renew(w=worker, tokens=list(tokens[i : i + MAX_LEASES])) for i in range(0, len(tokens), MAX_LEASES)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,15 @@ from aurora.protocol.messages import (
     decode_app,
     encode,
 )
-from aurora.protocol.workpool import Accepted, PoolSettings, Rejected, ResultRules, WorkPool
+from aurora.protocol.workpool import (
+    Accepted,
+    PoolSettings,
+    Rejected,
+    ResultRules,
+    WorkPool,
+    leases_in,
+    renew_messages,
+)
 from aurora.rl.types import Prompt
 
 TRAINER = "trainer"
@@ -212,12 +220,12 @@ class SimWorker:
 
     def handle(self, src: str, msg: Any, now: float) -> None:
         if isinstance(msg, Grant):
-            self.holder.on_granted([Lease(g.item, self.name, g.token, now, now + g.ttl_s) for g in msg.leases], now)
+            self.holder.on_granted(leases_in(msg, self.name, now), now)
             self.prompts.update((g.item, tuple(g.tokens)) for g in msg.leases)
             self.group_size = msg.n
             self.next_want = now
         elif isinstance(msg, Renewed):
-            self.holder.on_renewed([Lease(r.item, self.name, r.token, now, now + r.ttl_s) for r in msg.leases], now)
+            self.holder.on_renewed(leases_in(msg, self.name, now), now)
         elif isinstance(msg, DeltaSeal) and (self.node_version is None or msg.target > self.node_version):
             self.node_version = msg.target
             self.next_want = now  # a want waits for a grant or a new version
@@ -226,9 +234,7 @@ class SimWorker:
         self.holder.tick(now)
         for ev in self.holder.events():  # given up by its own clock: the trainer leases it again
             self.prompts.pop(cast(int, ev.lease.item), None)
-        tokens = self.holder.renewals_due(now)
-        for i in range(0, len(tokens), 256):
-            self._out.append((TRAINER, Renew(w=self.name, tokens=tokens[i : i + 256])))
+        self._out.extend((TRAINER, renew) for renew in renew_messages(self.name, self.holder.renewals_due(now)))
         if self.batch is not None and now >= self.batch[0]:
             _, items, version = self.batch
             self.batch = None
