@@ -47,7 +47,17 @@ from aurora.protocol.link import (
     Writable,
 )
 from aurora.protocol.liveness import PeerLost, PeerRejoined
-from aurora.protocol.messages import AppMessage, LinkBeat, LinkClose, LinkCredit, LinkFrame, encode_app
+from aurora.protocol.messages import (
+    AppMessage,
+    BadMessage,
+    LinkBeat,
+    LinkClose,
+    LinkCredit,
+    LinkData,
+    LinkFrame,
+    decode_app,
+    encode_app,
+)
 from aurora.runtime.clock import Clock, LoopClock
 
 log = structlog.get_logger("aurora.transport")
@@ -167,6 +177,16 @@ class ChannelBase:
     # -- for the transport's receive path and timer
     def _received(self, frame: LinkFrame, message: Message | None = None) -> None:
         self._do(self.link.received(frame, self.clock.now(), message))
+
+    def _received_app(self, frame: LinkData, header: bytes | memoryview, buffers: tuple[memoryview, ...]) -> None:
+        """A data frame's application message, in its header and buffers: decoded and delivered, or
+        the peer's fault (the message is dropped)."""
+        try:
+            msg = decode_app(header, buffers)
+        except BadMessage as e:
+            self.fault(e.reason)
+            return
+        self._received(frame, Message(msg, buffers))
 
     def _heard(self) -> None:
         self.link.heard(self.clock.now())

@@ -57,7 +57,7 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, Message, check_timings, new_incarnation
+from aurora.transport.base import DEFAULT_MAX_FRAME_BYTES, DEFAULT_WINDOW, check_timings, new_incarnation
 from aurora.transport.channel import ChannelBase
 from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -74,7 +74,6 @@ from aurora.protocol.messages import (
     LinkCredit,
     LinkData,
     LinkFrame,
-    decode_app,
     decode_link,
     encode_link,
 )
@@ -181,12 +180,7 @@ class ZmqChannel(ChannelBase):
         elif not rest:
             self.fault("a data frame without its message")
         else:
-            try:
-                msg = decode_app(rest[0], rest[1:])
-            except BadMessage as e:
-                self.fault(e.reason)
-                return
-            self._received(link, Message(msg, tuple(rest[1:])))
+            self._received_app(link, rest[0], tuple(rest[1:]))
 
     def _rejoined(self, incarnation: int) -> None:
         log.info("peer_restarted", node=self._link.node_id, peer=self.peer, incarnation=incarnation)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from aurora.errors import TransportClosed
 from aurora.protocol.link import LinkTimings
-from aurora.protocol.messages import BadMessage, LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame, decode_app
+from aurora.protocol.messages import LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
 from aurora.runtime.clock import Clock
 from aurora.transport.base import Message
 from aurora.transport.channel import ChannelBase
@@ -78,12 +78,7 @@ class MemoryChannel(ChannelBase):
 
     def arrive(self, header: bytes | memoryview, buffers: tuple[memoryview, ...]) -> None:
         """Bytes from the peer, as a real link's receive path gets them: decoded, or the peer's fault."""
-        try:
-            msg = decode_app(header, buffers)
-        except BadMessage as e:
-            self.fault(e.reason)
-            return
-        self._received(LinkData(), Message(msg, buffers))
+        self._received_app(LinkData(), header, buffers)
 
     def _received(self, frame: LinkFrame, message: Message | None = None) -> None:
         self.heard_at = self.clock.now()
