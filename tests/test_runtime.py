@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from aurora.errors import ActorDead, RestartIntensityExceeded
 from aurora.events import CHILD_RESTARTING, CHILD_SHUTDOWN_TIMEOUT, RESTART_INTENSITY_EXCEEDED
-from aurora.runtime import Actor, ChildSpec, Supervisor
+from aurora.runtime import Actor, ActorRef, ChildSpec, Supervisor
 
 EVENTS: list[str] = []
 
@@ -165,15 +165,21 @@ async def test_shutdown_timeout_cancels_a_stuck_child() -> None:
     stuck.cancel()
 
 
-async def test_mailbox_is_bounded_and_tell_waits() -> None:
-    sup = Supervisor("root", [ChildSpec("a", actor=lambda: Echo("a"))])
-    task = await _running(sup)
-    a = sup.ref("a")
-    first = asyncio.create_task(a.ask(("sleep", 0.3)))
+async def _fill(a: ActorRef, busy_s: float) -> asyncio.Task[Any]:
+    """Keep actor ``a`` busy for ``busy_s`` (an ask, returned) and fill its mailbox behind it."""
+    busy = asyncio.create_task(a.ask(("sleep", busy_s)))
     await asyncio.sleep(0.02)
     for i in range(Echo.mailbox_size):
         assert a.try_tell(i)
     assert not a.try_tell("overflow")
+    return busy
+
+
+async def test_mailbox_is_bounded_and_tell_waits() -> None:
+    sup = Supervisor("root", [ChildSpec("a", actor=lambda: Echo("a"))])
+    task = await _running(sup)
+    a = sup.ref("a")
+    first = await _fill(a, busy_s=0.3)
     blocked = asyncio.create_task(a.tell("waits"))
     await asyncio.sleep(0.05)
     assert not blocked.done()  # backpressure
@@ -196,11 +202,7 @@ async def test_ask_into_a_full_mailbox_times_out_while_waiting_for_room() -> Non
     sup = Supervisor("root", [ChildSpec("a", actor=lambda: Echo("a"), shutdown_timeout_s=0.1)])
     task = await _running(sup)
     a = sup.ref("a")
-    busy = asyncio.create_task(a.ask(("sleep", 0.5)))
-    await asyncio.sleep(0.02)
-    for i in range(Echo.mailbox_size):
-        assert a.try_tell(i)
-    assert not a.try_tell("overflow")  # full: the next ask waits for room, under its timeout
+    busy = await _fill(a, busy_s=0.5)  # the next ask waits for room, under its timeout
     with pytest.raises(TimeoutError, match=r"ask to actor 'a' timed out after 0\.05 s"):
         await a.ask("late", timeout_s=0.05)
     await busy
