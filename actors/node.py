@@ -402,6 +402,7 @@ class Node:
             batch_s=self.topo.leases.batch_s,
             ahead_steps=self.topo.leases.ahead_steps,
             max_stale=self.topo.staleness.max_versions,
+            max_life_s=self.topo.leases.max_life_s,
         )
         prompts = (replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed))
         rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)

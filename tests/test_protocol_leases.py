@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aurora.protocol import LeaseHolder, LeaseTable, ResultAccepted, ResultRejected
-from aurora.protocol.leases import LeaseExpired
+from aurora.protocol.leases import LeaseExpired, LeaseReleased
 
 
 def test_grant_complete_and_late_results_are_rejected() -> None:
@@ -14,17 +15,20 @@ def test_grant_complete_and_late_results_are_rejected() -> None:
     t.add_items(["a", "b"])
     (la,) = t.grant("w1", 0.0)
     assert la.item == "a"
-    assert t.complete("w1", "a", la.token, 5.0)
-    assert not t.complete("w1", "a", la.token, 5.5)  # duplicate
+    assert isinstance(t.complete("w1", "a", la.token, 5.0), ResultAccepted)
+    dup = t.complete("w1", "a", la.token, 5.5)
+    assert isinstance(dup, ResultRejected)
+    assert dup.reason == "duplicate"
     (lb,) = t.grant("w1", 6.0)
     t.tick(16.0)  # expired: back to the pool
     (lb2,) = t.grant("w2", 16.5)
     assert lb2.item == "b"
     assert lb2.token > lb.token
-    assert not t.complete("w1", "b", lb.token, 17.0)  # fenced
-    assert t.complete("w2", "b", lb2.token, 17.0)
-    reasons = [e.reason for e in t.events() if isinstance(e, ResultRejected)]
-    assert reasons == ["duplicate", "fenced"]
+    fenced = t.complete("w1", "b", lb.token, 17.0)
+    assert isinstance(fenced, ResultRejected)
+    assert fenced.reason == "fenced"
+    assert isinstance(t.complete("w2", "b", lb2.token, 17.0), ResultAccepted)
+    assert [e.lease for e in t.events()] == [lb]  # the queue holds what happened by itself: the expiry
     assert t.finished
 
 
@@ -55,7 +59,7 @@ def test_work_is_shared_by_measured_throughput() -> None:
         for _ in range(6):
             for lease in t.grant(worker, now):
                 now += period
-                assert t.complete(worker, lease.item, lease.token, now)
+                assert isinstance(t.complete(worker, lease.item, lease.token, now), ResultAccepted)
     fast, slow = t.quota("fast"), t.quota("slow")
     assert fast >= 8 * slow  # about 10x the throughput, about 10x the work
     assert t.quota("new") == 1  # a new worker gets the floor, to be measured
@@ -90,7 +94,7 @@ def test_lease_invariants_against_a_reference_model(ops: list[tuple[str, str, fl
             for it, hist in ever.items():
                 token, holder = hist[0] if op == "complete_stale" else hist[-1]
                 if holder == w:
-                    ok = t.complete(w, it, token, now)
+                    ok = isinstance(t.complete(w, it, token, now), ResultAccepted)
                     latest = ever[it][-1][0]
                     if ok:
                         # reference: only the newest token, unexpired, never twice
@@ -107,13 +111,13 @@ def test_lease_invariants_against_a_reference_model(ops: list[tuple[str, str, fl
         else:  # the worker's newest lease given back (a result the coordinator cannot use)
             for it, hist in ever.items():
                 token, holder = hist[-1]
-                if holder == w and it not in accepted and t.release(w, it, token, now):
+                if holder == w and it not in accepted and isinstance(t.release(w, it, token, now), LeaseReleased):
                     expiry[token] = min(expiry[token], now)  # its lease ended now
                     break
         valid = t.valid_leases(now)
         assert len({lease.item for lease in valid}) == len(valid)  # at most one valid lease per item
         assert not {lease.item for lease in valid} & set(accepted)
-    assert {e.lease.item for e in t.events() if isinstance(e, ResultAccepted)} == set(accepted)
+    assert all(isinstance(e, LeaseExpired) for e in t.events())
     assert t.done == frozenset(accepted)
 
 
@@ -136,14 +140,39 @@ def test_a_released_item_is_leased_anew_and_the_old_token_is_fenced() -> None:
     t = LeaseTable(ttl_s=10)
     t.add_items(["p"])
     (a,) = t.grant("w1", 0.0)
-    assert not t.release("w2", "p", a.token, 1.0)  # not the holder
-    assert t.release("w1", "p", a.token, 1.0)
+    assert isinstance(t.release("w2", "p", a.token, 1.0), ResultRejected)  # not the holder
+    assert t.release("w1", "p", a.token, 1.0) == LeaseReleased(a)
     assert t.pending == 1
     assert t.in_flight == 0
-    assert not t.release("w1", "p", a.token, 1.5)  # released once
+    assert isinstance(t.release("w1", "p", a.token, 1.5), ResultRejected)  # released once
     (b,) = t.grant("w2", 2.0)
     assert b.item == "p"
     assert b.token > a.token
-    assert not t.complete("w1", "p", a.token, 3.0)
-    assert t.complete("w2", "p", b.token, 3.0)
+    assert isinstance(t.complete("w1", "p", a.token, 3.0), ResultRejected)
+    assert isinstance(t.complete("w2", "p", b.token, 3.0), ResultAccepted)
     assert t.finished
+    assert t.events() == [], "a release is its caller's outcome, not an expiry"
+
+
+def test_renewals_stop_at_the_lifetime_bound_and_an_unanswered_expiry_resets_the_rate() -> None:
+    t = LeaseTable(ttl_s=10, floor=1, max_batch=8, batch_s=10, max_life_s=30)
+    t.add_items(range(20))
+    (first,) = t.grant("w", 0.0)
+    assert isinstance(t.complete("w", first.item, first.token, 0.5), ResultAccepted)  # measured: 2 a second
+    held = t.grant("w", 1.0)
+    assert len(held) == 8
+    assert t.life_s("w") == 20.0  # 4 x (8 held / 2 per s) = 16 s, within [2 TTL, max_life_s]: 20 s
+    now, renewed_until = 1.0, 0.0
+    while now < 60:
+        now += 5.0
+        for lease in t.renew("w", [x.token for x in held], now):
+            renewed_until = max(renewed_until, lease.expires_at)
+    assert renewed_until <= 1.0 + t.life_s("w")
+    assert {e.lease.item for e in t.events()} == {x.item for x in held}, "every hoarded lease ended"
+    assert t.rate("w") is None
+    assert t.quota("w") == 1, "after leases expire unanswered, the worker gets the floor until it delivers"
+
+
+def test_a_lifetime_bound_shorter_than_two_ttls_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_life_s"):
+        LeaseTable(ttl_s=10, max_life_s=15)

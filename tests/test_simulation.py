@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from aurora.protocol import RestartBudget
 from aurora.protocol.workpool import PoolSettings
-from aurora.testing.leasesim import TRAINER, SimTrainer, SimWorker
+from aurora.testing.leasesim import TRAINER, HoardingWorker, SimTrainer, SimWorker
 from aurora.testing.simnet import Faults, SimNetwork
 
 WORKERS = ["w0", "w1", "w2"]
@@ -236,3 +236,28 @@ def test_restart_budget_never_allows_more_than_intensity() -> None:
             assert sum(1 for u in allowed if t - within < u <= t) <= n
 
     prop()
+
+
+def _steps_in(seconds: float, hoarders: int) -> int:
+    """Learner steps in ``seconds`` of simulated time with two honest workers and ``hoarders`` hoarding ones
+    (prompts_per_lease 8, a batch of 4, ahead_steps 2: the attack round's settings)."""
+    pool = PoolSettings(ttl_s=TTL_S, prompts_per_lease=8, batch_s=2.0, ahead_steps=2, max_stale=1)
+    names = ["h0", "h1"] + [f"x{i}" for i in range(hoarders)]
+    net = SimNetwork(seed=5)
+    trainer = SimTrainer(pool, batch=4, steps=100_000, children=names, train_s=0.3)
+    net.add(trainer)
+    for w in names[:2]:
+        net.add(SimWorker(w, work_s=0.1, prompts_per_lease=8))
+    for w in names[2:]:
+        net.add(HoardingWorker(w))
+    net.advance(seconds)
+    return len(trainer.log.taken)
+
+
+def test_hoarding_workers_cannot_starve_the_learner() -> None:
+    """Workers that renew leases forever without answering (after answering a few quickly, to be granted
+    many) lose them at the lease's lifetime bound, and get the floor until they deliver: the learner
+    goes on (before the bound, two hoarders stopped it after a few steps)."""
+    honest = _steps_in(120.0, hoarders=0)
+    attacked = _steps_in(120.0, hoarders=2)
+    assert attacked >= honest / 3, (attacked, honest)

@@ -150,6 +150,14 @@ class LeaseSpec:
     ahead_steps: int = 2
     """Prompts leased or waiting for the learner stay within this many learner steps' worth, so workers
     generate what the learner will use before it goes stale instead of racing ahead (0: no bound)."""
+    max_life_s: float | None = None
+    """Seconds a lease may be renewed for at most, while its worker's speed is not yet measured (default: 8
+    TTLs); a measured worker's leases live 4x what its rate says they take, within [2 TTL, this]. Renewing
+    past it does nothing: a worker cannot hold prompts without answering them (docs/security.md)."""
+
+    def __post_init__(self) -> None:
+        if self.max_life_s is not None and not self.max_life_s >= 2 * self.ttl_s:
+            raise ConfigError(f"must be at least 2 TTLs ({2 * self.ttl_s} s)", path="max_life_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,14 @@ Invariants (each has a property test in tests/test_protocol_*.py):
   detector: a worker talks to the coordinator through relays, so no link of the
   coordinator's says that a worker is gone (one whose relay is lost attaches
   elsewhere and goes on renewing under the same tokens).
+* A lease has a lifetime bound: renewals never carry it past ``granted_at +``
+  `life_s`, which is derived from the work it covers — ``life_factor`` times
+  what the holder's measured rate says its held prompts take, clamped to
+  [2 TTL, ``max_life_s``] (``max_life_s`` while the holder is unmeasured). A
+  worker that renews without answering (a hoarder) loses the lease at that
+  bound, and a lease that expires unanswered resets its holder's measured
+  rate, so its next grants are the floor until it delivers again: a worker's
+  leases are bounded by what it delivers (docs/security.md).
 * Work is shared by measured throughput: a grant gives a worker
   ``clamp(ceil(rate * batch_s), floor, max_batch)`` items minus what it holds,
   where ``rate`` is an EMA of its accepted results per second; a worker with no
@@ -35,6 +43,12 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 Item = Hashable
+
+MAX_LIFE_TTLS = 8
+"""A lease's lifetime bound while its holder is unmeasured, in TTLs (the default ``max_life_s``): long
+enough for a first batch of several TTLs (tests/test_simulation.py's slow worker takes 5)."""
+LIFE_FACTOR = 4.0
+"""A measured holder's lease may live this many times what its rate says its held prompts take."""
 
 
 Token = bytes
@@ -84,7 +98,14 @@ class ResultRejected:
     """'expired', 'fenced', 'duplicate', 'unknown' or 'not-holder'."""
 
 
-LeaseEvent = LeaseExpired | ResultAccepted | ResultRejected
+@dataclass(frozen=True, slots=True)
+class LeaseReleased:
+    lease: Lease
+
+
+LeaseEvent = LeaseExpired
+"""What the table queues for `events()`: only what happens by itself (a TTL passing). Completing,
+renewing and releasing return their outcome to the caller instead."""
 
 
 @dataclass(slots=True)
@@ -104,9 +125,15 @@ class LeaseTable:
         batch_s: float = 10.0,
         ema_alpha: float = 0.3,
         mint: Callable[[], Token] | None = None,
+        max_life_s: float | None = None,
+        life_factor: float = LIFE_FACTOR,
     ) -> None:
         if ttl_s <= 0 or floor < 1 or max_batch < floor or not 0 < ema_alpha <= 1:
             raise ValueError("need ttl_s > 0, 1 <= floor <= max_batch, 0 < ema_alpha <= 1")
+        self.max_life_s = MAX_LIFE_TTLS * ttl_s if max_life_s is None else max_life_s
+        if self.max_life_s < 2 * ttl_s or life_factor < 1:
+            raise ValueError("need max_life_s >= 2 * ttl_s and life_factor >= 1")
+        self.life_factor = life_factor
         self.ttl_s = ttl_s
         self.floor = floor
         self.max_batch = max_batch
@@ -158,25 +185,38 @@ class LeaseTable:
         return out
 
     def renew(self, worker: str, tokens: Iterable[Token], now: float) -> list[Lease]:
-        """Extend the named, still-valid leases of ``worker``; returns the renewed leases."""
+        """Extend the named, still-valid leases of ``worker`` by a TTL from ``now``, but never past their
+        lifetime bound (`life_s`); returns the leases renewed (one at its bound is not)."""
         self.tick(now)
         wanted = set(tokens)
+        w = self._workers.get(worker, _Worker())
+        life_s = self.life_s(worker)
         out = []
-        for it in list(self._workers.get(worker, _Worker()).held):
+        for it in list(w.held):
             cur = self._current.get(it)
             if cur is not None and cur.token in wanted and cur.worker == worker:
-                new = Lease(it, worker, cur.token, cur.granted_at, now + self.ttl_s)
+                expires_at = min(now + self.ttl_s, cur.granted_at + life_s)
+                if expires_at <= cur.expires_at:
+                    continue  # at its lifetime bound: it ends when it expires
+                new = Lease(it, worker, cur.token, cur.granted_at, expires_at)
                 self._current[it] = new
                 out.append(new)
         return out
 
-    def complete(self, worker: str, item: Item, token: Token, now: float) -> bool:
-        """Offer a result; True if accepted (see the invariants)."""
+    def life_s(self, worker: str) -> float:
+        """How long a lease of ``worker``'s may live from its grant (the lifetime bound of the invariants)."""
+        w = self._workers.get(worker)
+        if w is None or w.rate is None or w.rate <= 0:
+            return self.max_life_s
+        expected_s = max(1, len(w.held)) / w.rate
+        return min(self.max_life_s, max(2 * self.ttl_s, self.life_factor * expected_s))
+
+    def complete(self, worker: str, item: Item, token: Token, now: float) -> ResultAccepted | ResultRejected:
+        """Offer a result; its outcome (see the invariants)."""
         self.tick(now)
         reason = self._reject_reason(worker, item, token, now)
         if reason is not None:
-            self._events.append(ResultRejected(item, worker, token, reason))
-            return False
+            return ResultRejected(item, worker, token, reason)
         lease = self._current.pop(item)
         self._done.add(item)
         self._past.pop(item, None)
@@ -188,8 +228,7 @@ class LeaseTable:
         elif w.rate is None and now > lease.granted_at:
             w.rate = 1.0 / (now - lease.granted_at)
         w.last_accept = now
-        self._events.append(ResultAccepted(lease, now))
-        return True
+        return ResultAccepted(lease, now)
 
     def _reject_reason(self, worker: str, item: Item, token: Token, now: float) -> str | None:
         if item in self._done:
@@ -207,32 +246,39 @@ class LeaseTable:
             return "expired"
         return None
 
-    def release(self, worker: str, item: Item, token: Token, now: float) -> bool:
+    def release(self, worker: str, item: Item, token: Token, now: float) -> LeaseReleased | ResultRejected:
         """Give ``item`` back (its result is unusable, e.g. too stale): if ``worker`` holds its current
         lease, the lease ends now and the item returns to the front of the pool, to be leased anew."""
         self.tick(now)
-        if self._reject_reason(worker, item, token, now) is not None:
-            return False
-        self._expire(item, self._current[item])
-        return True
+        reason = self._reject_reason(worker, item, token, now)
+        if reason is not None:
+            return ResultRejected(item, worker, token, reason)
+        lease = self._current[item]
+        self._end(item, lease)
+        return LeaseReleased(lease)
 
     def tick(self, now: float) -> None:
-        """Expire leases whose TTL passed; their items go back to the front of the pool."""
+        """Expire leases whose TTL (or lifetime bound) passed; their items go back to the front of the
+        pool, and their holders' measured rates are reset (they did not deliver)."""
         for it, lease in list(self._current.items()):
             if now >= lease.expires_at:
-                self._expire(it, lease)
+                self._end(it, lease)
+                w = self._workers.get(lease.worker)
+                if w is not None:
+                    w.rate = w.last_accept = None
+                self._events.append(LeaseExpired(lease))
 
-    def _expire(self, it: Item, lease: Lease) -> None:
+    def _end(self, it: Item, lease: Lease) -> None:
         del self._current[it]
         self._past.setdefault(it, set()).add(lease.token)
         w = self._workers.get(lease.worker)
         if w is not None:
             w.held.discard(it)
         self._pool.appendleft(it)
-        self._events.append(LeaseExpired(lease))
 
     # ------------------------------------------------------------------ outputs
     def events(self) -> list[LeaseEvent]:
+        """The leases that expired since the last call."""
         out, self._events = self._events, []
         return out
 

@@ -129,6 +129,8 @@ class PoolSettings:
     batch_s: float
     ahead_steps: int
     max_stale: int
+    max_life_s: float | None = None
+    """A lease's lifetime bound while its holder is unmeasured (None: `LeaseTable`'s default, 8 TTLs)."""
 
 
 @dataclass
@@ -166,7 +168,9 @@ class WorkPool:
 
     def __post_init__(self) -> None:
         s = self.settings
-        self.table = LeaseTable(ttl_s=s.ttl_s, max_batch=s.prompts_per_lease, batch_s=s.batch_s, mint=self.mint)
+        self.table = LeaseTable(
+            ttl_s=s.ttl_s, max_batch=s.prompts_per_lease, batch_s=s.batch_s, mint=self.mint, max_life_s=s.max_life_s
+        )
 
     @property
     def max_stale(self) -> int:
@@ -240,9 +244,13 @@ class WorkPool:
             granted = self.want(msg.w, msg.n, now, msg.v, current)
             return Answer(self.grant_message(msg.w, granted) if granted else None)
         if isinstance(msg, Renew):
-            # a renewed lease runs one TTL from now (its `Lease.ttl_s` counts from the first grant)
+            # a renewed lease runs from now to its new expiry: one TTL, or less at its lifetime bound (its
+            # `Lease.ttl_s` counts from the first grant)
             ttl_s = self.table.ttl_s
-            renewed = [LeaseRenewal(cast(int, x.item), x.token, ttl_s) for x in self.renew(msg.w, msg.tokens, now)]
+            renewed = [
+                LeaseRenewal(cast(int, x.item), x.token, ttl_s if x.expires_at == now + ttl_s else x.expires_at - now)
+                for x in self.renew(msg.w, msg.tokens, now)
+            ]
             return Answer(Renewed(w=msg.w, leases=renewed) if renewed else None)
         samples = [SampleIn(s.tokens, s.logprobs) for s in msg.samples]
         outcome = self.result(msg.w, msg.item, msg.token, msg.v, current, samples, now)
@@ -305,13 +313,18 @@ class WorkPool:
     ) -> Accepted | Rejected:
         """Offer a result (see the rules in the module docstring)."""
         bad = self.check(samples, version, current)
-        if bad is None and current - version > self.max_stale and self.table.release(worker, item, token, now):
-            bad = Rejected(
-                "stale", f"stale: made with version {version}, the trainer is at {current} (bound {self.max_stale})"
-            )
-        if bad is None and not self.table.complete(worker, item, token, now):
-            why = next(e.reason for e in reversed(self.table.events()) if isinstance(e, ResultRejected))
-            bad = Rejected(why, why)
+        if bad is None and current - version > self.max_stale:
+            outcome = self.table.release(worker, item, token, now)
+            if isinstance(outcome, ResultRejected):  # not its lease to give back: say why, as a result would
+                bad = Rejected(outcome.reason, outcome.reason)
+            else:
+                bad = Rejected(
+                    "stale", f"stale: made with version {version}, the trainer is at {current} (bound {self.max_stale})"
+                )
+        if bad is None:
+            done = self.table.complete(worker, item, token, now)
+            if isinstance(done, ResultRejected):
+                bad = Rejected(done.reason, done.reason)
         if bad is not None:
             self.rejected[bad.kind] += 1
             return bad
@@ -324,7 +337,7 @@ class WorkPool:
 
     def expire(self, now: float) -> list[LeaseExpired]:
         self.table.tick(now)
-        return [e for e in self.table.events() if isinstance(e, LeaseExpired)]
+        return self.table.events()
 
     def take(self, n: int, current: int = 0) -> list[tuple[Prompt, Completion]] | None:
         """``n`` accepted results made within ``max_stale`` of version ``current``, oldest version

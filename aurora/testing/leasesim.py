@@ -265,3 +265,34 @@ class SimWorker:
     def outbox(self) -> list[tuple[str, Any]]:
         out, self._out = [(dst, wire(m)) for dst, m in self._out], []
         return out
+
+
+class HoardingWorker(SimWorker):
+    """A hostile worker: it answers its first ``honest`` prompts at once (so that it is measured as
+    fast and granted many), then only renews what it holds and asks for more, answering nothing —
+    the lease hoarding that a lease's lifetime bound answers (`aurora.protocol.leases`)."""
+
+    def __init__(self, name: str, *, honest: int = 3, prompts_per_lease: int = 8) -> None:
+        super().__init__(name, work_s=0.01, prompts_per_lease=prompts_per_lease)
+        self.honest = honest
+        self.answered = 0
+
+    def tick(self, now: float) -> None:
+        if self.answered < self.honest:
+            super().tick(now)
+            self.answered += sum(isinstance(m, Result) for _, m in self._out)
+            return
+        self.batch = None
+        self.holder.tick(now)
+        for ev in self.holder.events():
+            self.prompts.pop(cast(int, ev.lease.item), None)
+        self._out.extend((TRAINER, renew) for renew in renew_messages(self.name, self.holder.renewals_due(now)))
+        if self.node_version is not None and now >= self.next_want and len(self.holder.items) < self.prompts_per_lease:
+            self._out.append((TRAINER, Want(w=self.name, n=self.prompts_per_lease, v=self.node_version)))
+            self.next_want = now + self.want_every_s
+
+    def next_deadline(self) -> float | None:
+        if self.answered < self.honest:
+            return super().next_deadline()
+        ds = [self.holder.next_deadline(), self.next_want if self.node_version is not None else None]
+        return min((d for d in ds if d is not None), default=None)
