@@ -832,13 +832,19 @@ def cmd_keys_generate(args: argparse.Namespace) -> int:
             made = list(generate_topology_keys(topo, str(args.topology)))
         except OSError as e:
             raise AuroraError(f"cannot write keys: {e}") from None
+        from aurora.auth.keys import private_mode_problem
+
         for path, new in made:
             print(f"{'wrote' if new else 'kept '} {path}")
         secrets_ = [p for p, _ in made if p.name.endswith(("key_secret", ".sign"))]
+        exposed = [problem for p in secrets_ if (problem := private_mode_problem(p)) is not None]
         print(
             f"{sum(new for _, new in made)} files written, {sum(not new for _, new in made)} kept; "
-            f"{len(secrets_)} secret files (mode 0600): give each node only its own"
+            f"{len(secrets_)} secret files: give each node only its own"
         )
+        if exposed:  # a kept file is not rewritten: its mode is the operator's to fix
+            raise AuroraError("; ".join(exposed))
+        print("every secret file has mode 0600")
         return 0
     if not args.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", args.name):
         raise AuroraError(f"key name {args.name!r} must be a plain file name (letters, digits, '-', '_', '.')")

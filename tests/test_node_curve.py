@@ -95,6 +95,31 @@ def test_generated_secret_keys_are_0600_and_never_overwritten(tmp_path: Path) ->
         generate_curve_pair(d, "trainer")
 
 
+@pytest.mark.parametrize("secret", ["rollout.key_secret", "trainer.sign"])
+def test_a_secret_key_file_others_can_read_is_refused_at_load_with_the_fix(tmp_path: Path, secret: str) -> None:
+    path = _topology(tmp_path)
+    f = tmp_path / "keys" / secret
+    f.chmod(0o644)
+    name = "trainer" if secret.endswith(".sign") else "rollout"
+    with pytest.raises(ConfigError, match=r"mode 0644.*chmod 600"):
+        load_node_keys(load_topology(path), name, str(path))
+    f.chmod(0o600)
+    assert load_node_keys(load_topology(path), name, str(path)).curve is not None
+
+
+def test_keys_generate_does_not_call_a_kept_exposed_secret_private(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aurora.cli import main
+
+    path = _topology(tmp_path)
+    (tmp_path / "keys" / "relay-a.key_secret").chmod(0o640)
+    assert main(["keys", "generate", "--topology", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "mode 0600" not in captured.out
+    assert "relay-a.key_secret is a secret key readable or writable by others (mode 0640)" in captured.err
+
+
 async def test_nodes_with_the_topology_keys_attach_over_curve_and_commit_signed_versions(tmp_path: Path) -> None:
     path = _topology(tmp_path)
     with capture_logs() as logs:

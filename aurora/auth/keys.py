@@ -118,7 +118,7 @@ def load_node_keys(topo: Topology, name: str, file: str | None) -> NodeKeys:
             file=file,
             path=f"nodes[{i}]",
         )
-    pub, sec = _read_cert(secret_path, file, f"nodes[{i}].secret_key_file")
+    pub, sec = _read_secret_cert(secret_path, file, f"nodes[{i}].secret_key_file")
     if sec is None:
         raise ConfigError(
             f"{secret_path} holds no secret key (give the .key_secret file)",
@@ -163,7 +163,7 @@ def load_client_keys(topo: Topology, file: str | None, as_node: str | None) -> t
     name = as_node or (OPERATOR if d is not None and (d / f"{OPERATOR}.key_secret").exists() else trainer)
     if name == OPERATOR:
         assert d is not None
-        pub, sec = _read_cert(d / f"{OPERATOR}.key_secret", file, "keys.dir")
+        pub, sec = _read_secret_cert(d / f"{OPERATOR}.key_secret", file, "keys.dir")
         if sec is None:
             raise ConfigError(f"{d / (OPERATOR + '.key_secret')} holds no secret key", file=file, path="keys.dir")
         curve = CurveKeys(pub, sec)
@@ -189,6 +189,32 @@ def _public_of(topo: Topology, name: str, d: Path | None, file: str | None) -> b
         )
     pub, _ = _read_cert(d / f"{name}.key", file, "keys.dir")
     return pub
+
+
+def private_mode_problem(path: Path) -> str | None:
+    """Why the secret key file ``path`` may not be used (group or others may read or write it), or None."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return None  # reading it reports the problem
+    if mode & 0o077:
+        return (
+            f"{path} is a secret key readable or writable by others (mode {mode:04o}); "
+            f"make it private with `chmod 600 {path}`"
+        )
+    return None
+
+
+def _check_private(path: Path, file: str | None, field_path: str) -> None:
+    problem = private_mode_problem(path)
+    if problem is not None:
+        raise ConfigError(problem, file=file, path=field_path)
+
+
+def _read_secret_cert(path: Path, file: str | None, field_path: str) -> tuple[bytes, bytes | None]:
+    """A CurveZMQ secret key file, refused when group or others have access to it."""
+    _check_private(path, file, field_path)
+    return _read_cert(path, file, field_path)
 
 
 def _read_cert(path: Path, file: str | None, field_path: str) -> tuple[bytes, bytes | None]:
@@ -225,6 +251,7 @@ def _public_from_hex(text: str, file: str | None, field_path: str) -> Ed25519Pub
 
 
 def read_signing_secret(path: Path, file: str | None = None) -> Ed25519PrivateKey:
+    _check_private(path, file, "keys.dir")
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except OSError as e:
