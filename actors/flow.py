@@ -456,7 +456,11 @@ class VersionFlow:
         return seal
 
     def _begin(self, h: DeltaManifest, packed: bytes) -> None:
-        m = unpack_manifest(packed)
+        # refused before it is parsed where that can be known: a first version without its seal, or a
+        # manifest whose tensor count is not that of the weights held (parsing costs O(manifest bytes))
+        if self.weights is None and h.seal is None and self.verifier.authenticates:
+            raise AuthError(f"{self.name}: a first version must come with its seal")
+        m = unpack_manifest(packed, tensors=None if self.weights is None else len(self.weights))
         if m.target_version != h.target or m.base_version != h.base or m.n_chunks != h.n:
             raise ProtocolError(f"{self.name}: a manifest message that does not match its manifest", remote=True)
         if not m.is_snapshot and m.base_version != self.version:

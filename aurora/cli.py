@@ -426,8 +426,8 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     from aurora.codec.decoder import check_layout
     from aurora.store.checkpoint import load_checkpoint, save_checkpoint
 
-    manifest, chunks = load_delta_file(args.delta)
     base = Weights.from_tensors(load_checkpoint(args.base))
+    manifest, chunks = load_delta_file(args.delta, tensors=len(base))
     check_layout(manifest, base)  # a manifest that does not fit the base is refused before anything is allocated
     out = apply(base, manifest, chunks)
     save_checkpoint(out.to_tensors(), args.output, metadata={"aurora_version": str(manifest.target_version)})

@@ -107,6 +107,34 @@ def test_a_manifest_claiming_absurd_sizes_is_refused_before_anything_is_allocate
         assert not (tmp_path / "out.safetensors").exists()
 
 
+def _many_empty_tensors_manifest(n: int) -> bytes:
+    """A valid manifest of ``n`` zero-size tensors: the most rows per manifest byte."""
+    from aurora.codec.dtypes import BY_NAME
+    from aurora.codec.format import Manifest, TensorEntry, Transform, delta_id_for, pack_manifest
+
+    d16 = bytes(16)
+    rows = tuple(TensorEntry(f"t{i:07d}", BY_NAME["bfloat16"], (0,), None, d16) for i in range(n))
+    return pack_manifest(Manifest(delta_id_for(None, 1, None, d16), None, 1, None, d16, Transform.XOR, rows, format=3))
+
+
+def test_a_manifest_costs_a_small_multiple_of_its_bytes_and_one_of_another_layout_is_refused_unparsed() -> None:
+    import tracemalloc
+
+    packed = _many_empty_tensors_manifest(100_000)  # 4 MB
+    tracemalloc.start()
+    try:
+        assert len(unpack_manifest(packed).tensors) == 100_000
+        _, parsed_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        with pytest.raises(DeltaFormatError, match="lists 100000 tensors, the weights held have 300"):
+            unpack_manifest(packed, tensors=300)
+        _, refused_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert parsed_peak < 12 * len(packed), (parsed_peak, len(packed))  # was ~14x its bytes, all at once
+    assert refused_peak < 2 * len(packed) + (1 << 20), (refused_peak, len(packed))
+
+
 def test_store_metadata_that_points_outside_the_store_is_refused_and_prune_deletes_nothing_there(
     tmp_path: Path,
 ) -> None:

@@ -47,8 +47,9 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def read_delta(f: BinaryIO) -> tuple[Manifest, Iterator[bytes]]:
-    """Manifest now, chunk records lazily (each still to be verified by a receiver)."""
+def read_delta(f: BinaryIO, *, tensors: int | None = None) -> tuple[Manifest, Iterator[bytes]]:
+    """Manifest now, chunk records lazily (each still to be verified by a receiver). ``tensors``: the
+    base's tensor count, when known (a manifest of another count is refused before it is parsed)."""
     head = f.read(6)
     if len(head) < 6 or head[:4] != FILE_MAGIC:
         raise DeltaFormatError("not an Aurora delta file (bad magic)")
@@ -60,7 +61,7 @@ def read_delta(f: BinaryIO) -> tuple[Manifest, Iterator[bytes]]:
     (mlen,) = _REC.unpack(_read_exact(f, 4, "the manifest length"))
     if mlen > MAX_MANIFEST_BYTES:
         raise DeltaFormatError(f"manifest record of {mlen} bytes is too large")
-    manifest = unpack_manifest(_read_exact(f, mlen, "the manifest"))
+    manifest = unpack_manifest(_read_exact(f, mlen, "the manifest"), tensors=tensors)
 
     def chunks() -> Iterator[bytes]:
         i = 0
@@ -79,11 +80,11 @@ def read_delta(f: BinaryIO) -> tuple[Manifest, Iterator[bytes]]:
     return manifest, chunks()
 
 
-def load_delta_file(path: str | Path) -> tuple[Manifest, list[bytes]]:
+def load_delta_file(path: str | Path, *, tensors: int | None = None) -> tuple[Manifest, list[bytes]]:
     p = Path(path)
     try:
         with p.open("rb") as f:
-            m, it = read_delta(f)
+            m, it = read_delta(f, tensors=tensors)
             return m, list(it)
     except OSError as e:
         raise DeltaFormatError(f"{p}: cannot read delta file: {e.strerror}") from None

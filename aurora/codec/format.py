@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -260,7 +261,44 @@ def _digest_field(v: object, what: str, *, optional: bool = False) -> bytes | No
     return v
 
 
-def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
+_MANIFEST_FIELDS = frozenset(
+    {"delta_id", "base_version", "target_version", "base_digest", "target_digest", "transform", "chunk_span_bytes"}
+)
+"""The manifest body's fields besides ``tensors``."""
+
+
+def _tensor_row(i: int, row: object) -> TensorEntry:
+    """Row ``i`` of a manifest's tensor list, checked (messages are built only for a row that fails)."""
+    if not (isinstance(row, list) and len(row) == 5):
+        raise DeltaFormatError(f"manifest is malformed: tensors[{i}] must have 5 fields")
+    name, dname, shape, bd, td = row
+    if not (isinstance(name, str) and name):
+        _need(False, f"tensors[{i}].name must be a non-empty string")
+    dtype = BY_NAME.get(dname) if isinstance(dname, str) else None
+    if dtype is None:
+        _need(False, f"tensors[{i}].dtype {dname!r} is unknown")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(s) is int and s >= 0 for s in shape)):
+        _need(False, f"tensors[{i}].shape")
+    numel = 1
+    for s in shape:
+        numel = min(numel * s, MAX_TENSOR_ELEMENTS + 1)
+    if numel > MAX_TENSOR_ELEMENTS:
+        _need(False, f"tensors[{i}] claims {numel} elements or more (at most {MAX_TENSOR_ELEMENTS})")
+    if not (bd is None or (isinstance(bd, bytes) and len(bd) == DIGEST_BYTES)):
+        _need(False, f"tensors[{i}].base_digest must be {DIGEST_BYTES} bytes")
+    if not (isinstance(td, bytes) and len(td) == DIGEST_BYTES):
+        _need(False, f"tensors[{i}].target_digest must be {DIGEST_BYTES} bytes")
+    assert dtype is not None
+    return TensorEntry(name, dtype, tuple(shape), bd, td)
+
+
+def unpack_manifest(data: bytes | bytearray | memoryview, *, tensors: int | None = None) -> Manifest:
+    """Parse and check a manifest. ``tensors``: how many tensors the reader's weights have, when it holds
+    some; a manifest listing another number is refused before any of its rows is parsed.
+
+    Cost: the body is read as a stream, one tensor row at a time, so parsing holds the rows' entries and
+    no more (a few times the manifest's own bytes), and a row is checked without building a message
+    unless it fails."""
     mv = memoryview(data).cast("B")
     if len(mv) < 10 + DIGEST_BYTES or bytes(mv[:4]) != MANIFEST_MAGIC:
         raise DeltaFormatError("not a delta manifest (bad magic or too short)")
@@ -274,58 +312,46 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         raise DeltaFormatError(f"manifest length {len(mv)} does not match its header ({blen}-byte body)")
     if digest_bytes(mv[:10], mv[10 : 10 + blen]) != bytes(mv[10 + blen :]):
         raise DeltaFormatError("manifest is corrupt: digest mismatch")
+    d: dict[str, Any] = {}
+    entries: list[TensorEntry] | None = None
     try:
-        d = msgpack.unpackb(mv[10 : 10 + blen], raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        up = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(1, blen))
+        up.feed(mv[10 : 10 + blen])
+        n_fields = up.read_map_header()
+        _need(n_fields == len(_MANIFEST_FIELDS) + 1, f"{n_fields} fields, not {len(_MANIFEST_FIELDS) + 1}")
+        for _ in range(n_fields):
+            key = up.unpack()
+            _need(isinstance(key, str) and (key in _MANIFEST_FIELDS or key == "tensors"), f"field {key!r}")
+            _need(key not in d and not (key == "tensors" and entries is not None), f"field {key!r} twice")
+            if key != "tensors":
+                d[key] = up.unpack()
+                continue
+            count = up.read_array_header()
+            _need(count <= MAX_TENSORS, f"{count} tensors (at most {MAX_TENSORS})")
+            if tensors is not None and count != tensors:
+                raise DeltaFormatError(f"the manifest lists {count} tensors, the weights held have {tensors}")
+            entries = []
+            chunks, previous = 0, ""
+            for i in range(count):
+                t = _tensor_row(i, up.unpack())
+                if t.name <= previous:
+                    _need(False, "tensor names must be unique and sorted")
+                previous = t.name
+                chunks += t.n_chunks
+                if chunks > MAX_CHUNKS:
+                    _need(False, f"more than {MAX_CHUNKS} chunks")
+                entries.append(t)
+        _need(up.tell() == blen, "bytes after the body")
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, msgpack.OutOfData) as e:
         raise DeltaFormatError(f"manifest body is not valid msgpack: {e}") from None
-    _need(isinstance(d, dict), "body is not a map")
-    want = {
-        "delta_id",
-        "base_version",
-        "target_version",
-        "base_digest",
-        "target_digest",
-        "transform",
-        "chunk_span_bytes",
-        "tensors",
-    }
-    _need(set(d) == want, f"fields {sorted(set(d) ^ want)} missing or unexpected")
+    _need(entries is not None, "fields ['tensors'] missing")
+    assert entries is not None
     _need(d["chunk_span_bytes"] == CHUNK_SPAN_BYTES, f"chunk span {d['chunk_span_bytes']} != {CHUNK_SPAN_BYTES}")
     bv, tv = d["base_version"], d["target_version"]
     _need(bv is None or (isinstance(bv, int) and bv >= 0), "base_version must be a non-negative int or nil")
     _need(isinstance(tv, int) and tv >= 0, "target_version must be a non-negative int")
     _need(d["transform"] in ("xor", "sub"), "transform must be 'xor' or 'sub'")
-    tensors: list[TensorEntry] = []
-    rows = d["tensors"]
-    _need(isinstance(rows, list) and len(rows) <= MAX_TENSORS, "tensors must be a list")
-    for i, row in enumerate(rows):
-        _need(isinstance(row, list) and len(row) == 5, f"tensors[{i}] must have 5 fields")
-        name, dname, shape, bd, td = row
-        _need(isinstance(name, str) and bool(name), f"tensors[{i}].name must be a non-empty string")
-        _need(dname in BY_NAME, f"tensors[{i}].dtype {dname!r} is unknown")
-        _need(
-            isinstance(shape, list) and len(shape) <= MAX_DIMS and all(isinstance(s, int) and s >= 0 for s in shape),
-            f"tensors[{i}].shape",
-        )
-        numel = 1
-        for s in shape:
-            numel = min(numel * s, MAX_TENSOR_ELEMENTS + 1)
-        _need(
-            numel <= MAX_TENSOR_ELEMENTS,
-            f"tensors[{i}] claims {numel} elements or more (at most {MAX_TENSOR_ELEMENTS})",
-        )
-        tensors.append(
-            TensorEntry(
-                name,
-                BY_NAME[dname],
-                tuple(shape),
-                _digest_field(bd, f"tensors[{i}].base_digest", optional=True),
-                _digest_field(td, f"tensors[{i}].target_digest") or b"",
-            )
-        )
-    names = [t.name for t in tensors]
-    _need(names == sorted(set(names)), "tensor names must be unique and sorted")
-    _need(sum(t.n_chunks for t in tensors) <= MAX_CHUNKS, f"more than {MAX_CHUNKS} chunks")
+    tensors_ = entries
     m = Manifest(
         delta_id=_digest_field(d["delta_id"], "delta_id") or b"",
         base_version=bv,
@@ -333,11 +359,11 @@ def unpack_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         base_digest=_digest_field(d["base_digest"], "base_digest", optional=True),
         target_digest=_digest_field(d["target_digest"], "target_digest") or b"",
         transform=Transform.XOR if d["transform"] == "xor" else Transform.SUB,
-        tensors=tuple(tensors),
+        tensors=tuple(tensors_),
         format=version,
     )
     _need(m.delta_id == delta_id_for(bv, tv, m.base_digest, m.target_digest), "delta_id does not match versions")
     _need((bv is None) == (m.base_digest is None), "base_version and base_digest must both be set or both nil")
     if m.base_digest is None:
-        _need(all(t.base_digest is None for t in tensors), "a snapshot has no base tensor digests")
+        _need(all(t.base_digest is None for t in tensors_), "a snapshot has no base tensor digests")
     return m
