@@ -68,7 +68,14 @@ from aurora.codec.decoder import DeltaReceiver, blank_weights
 from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
 from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError, TransportClosed
-from aurora.events import ANCHOR_NOT_WRITTEN, CATCH_UP_SENT, SNAPSHOT_SENT, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.events import (
+    ANCHOR_NOT_WRITTEN,
+    CATCH_UP_SENT,
+    CATCH_UP_STORE_FAILED,
+    SNAPSHOT_SENT,
+    VERSION_COMMITTED,
+    VERSION_PUBLISHED,
+)
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import (
     CatchUp,
@@ -198,6 +205,8 @@ class VersionFlow:
         self.outboxes: dict[str, _Outbox] = {}
         """Per child, what the router asked to send it, in order: drained by that child's own task
         (`serve_child`), so a slow or stuck child holds up nobody else."""
+        self._unreadable: set[int] = set()
+        """Stored versions a composed catch-up could not read (corrupt): never composed from again."""
         self._served: OrderedDict[tuple[int | None, int], tuple[bytes, tuple[bytes, ...]]] = OrderedDict()
         """The last composed deltas and snapshots made for catch-ups: (from, to) -> (manifest, chunks); a
         snapshot only while it is being sent (`_sending`)."""
@@ -261,7 +270,7 @@ class VersionFlow:
                 await self._send_one(ch, cmd)
             except TransportClosed:
                 return
-            except KeyError:  # what it was to be sent is gone from the history: it fell too far behind
+            except GoneFromHistory:
                 ch.abort(f"{ch.peer!r} fell behind the versions this node keeps; reconnect to catch up")
                 return
 
@@ -652,9 +661,16 @@ class VersionFlow:
             box.queue.append(cmd)
             box.wake.set()
 
+    def _held(self, version: int) -> _Stored:
+        """Version ``version`` from the history; `GoneFromHistory` if it has left it."""
+        stored = self.history.get(version)
+        if stored is None:
+            raise GoneFromHistory(version)
+        return stored
+
     async def _send_one(self, ch: Channel, cmd: Command) -> None:
         if isinstance(cmd, SendManifest):
-            stored = self.history[cmd.delta.target]
+            stored = self._held(cmd.delta.target)
             await ch.send(
                 DeltaManifest(
                     base=cmd.delta.base if not stored.snapshot else None,
@@ -664,7 +680,7 @@ class VersionFlow:
                 stored.manifest,
             )
         elif isinstance(cmd, SendChunk):
-            stored = self.history[cmd.target]
+            stored = self._held(cmd.target)
             if cmd.index == len(stored.chunks):
                 assert stored.seal is not None
                 await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
@@ -786,14 +802,19 @@ class VersionFlow:
             complete = {v: s.snapshot for v, s in self.history.items() if s.complete}
             return choose_catch_up(have, cmd.to_version, complete, stored=stored)
 
-        choice = choose(store is not None and have is not None and have in store)
+        usable = store is not None and have is not None and have in store and have not in self._unreadable
+        choice = choose(usable)
         if isinstance(choice, Compose):
-            if await self._send_composed(ch, choice.base, choice.reason):
-                return
+            try:
+                if await self._send_composed(ch, choice.base, choice.reason):
+                    return
+            except StoreError as e:  # this node's copy of the child's version is bad: the next way, not a retry
+                self._unreadable.add(choice.base)
+                log.warning(CATCH_UP_STORE_FAILED, node=self.name, child=ch.peer, base=choice.base, error=str(e))
             # the history may have moved on while the composed delta was made: choose from it as it is
             choice = choose(False)
         if isinstance(choice, Replay):
-            chain = [(v, self.history[v]) for v in range(choice.first, choice.to + 1)]  # held while they go
+            chain = [(v, self._held(v)) for v in range(choice.first, choice.to + 1)]  # held while they go
             for v, s in chain:
                 await _send_delta(
                     ch, None if s.snapshot else v - 1, v, s.manifest, [c for c in s.chunks if c is not None], s.seal
@@ -855,6 +876,10 @@ class VersionFlow:
             for v in snapshots[:-KEEP_SNAPSHOTS]:
                 if v not in queued:
                     del self.history[v]
+
+
+class GoneFromHistory(Exception):
+    """What a child was to be sent has left this node's history: the child fell too far behind."""
 
 
 async def _to_the_end(work: Awaitable[_T]) -> tuple[_T, bool]:

@@ -310,3 +310,41 @@ def test_the_coding_choice_takes_the_operators_link_then_the_slowest_measured_th
     assert policy.link() == (2000.0, "measured by rollout-0")
     fixed = CodingPolicy("auto", 100.0, override_mbit=0.5, measured=lambda: status.slowest_link(1.0))
     assert fixed.link() == (0.5, "sync.link_mbit")
+
+
+async def test_a_catch_up_from_a_corrupt_stored_version_falls_back_to_the_next_way(tmp_path: Path) -> None:
+    """The relay's stored copy of the version a child holds is corrupt: the composed catch-up fails
+    once (logged), the child gets a snapshot instead and converges, and a child that comes back with the
+    same version is not composed from the bad copy again (it attached and failed over and over before)."""
+    from aurora.events import CATCH_UP_STORE_FAILED
+    from aurora.store import DeltaStore
+
+    w0 = _model(4)
+    rs = DeltaStore(tmp_path / "r", anchor_every=100)
+    trainer = VersionFlow("trainer", w0.copy(), 0, keep_versions=2)
+    relay = VersionFlow("relay", None, None, store=rs, keep_versions=2)
+    current = w0
+    async with asyncio.TaskGroup() as tg:
+        relay.start_in(tg)
+        tree = Tree(tg)
+        await tree.attach(trainer, relay)
+        await _until(lambda: relay.version == 0)
+        for step in range(1, 5):  # beyond the relay's history of 2: v0 is only in its store
+            current = perturb(current, 0.02, seed=step)
+            await trainer.publish(current.copy())
+            await _until(lambda step=step: relay.version == step)
+        anchor = tmp_path / "r" / "anchors" / "v00000000.safetensors"
+        data = bytearray(anchor.read_bytes())
+        data[-8:] = bytes(8) if data[-8:] != bytes(8) else b"\xff" * 8
+        anchor.write_bytes(bytes(data))
+        with capture_logs() as logs:
+            for name in ("behind-1", "behind-2"):
+                child = VersionFlow(name, w0.copy(), 0)
+                await tree.attach(relay, child)
+                await _until(lambda child=child: child.version == 4)
+                assert child.weights is not None
+                assert child.weights.digest() == current.digest()
+        await tree.close()
+    failed = [e for e in logs if e["event"] == CATCH_UP_STORE_FAILED]
+    assert [(e["child"], e["base"]) for e in failed] == [("behind-1", 0)]
+    assert {e["child"] for e in logs if e["event"] == SNAPSHOT_SENT} == {"behind-1", "behind-2"}
