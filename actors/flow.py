@@ -44,9 +44,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from aurora.actors.coding import CodingPolicy
@@ -91,12 +91,12 @@ from aurora.protocol.routing import (
 )
 from aurora.runtime.clock import Clock, LoopClock
 from aurora.runtime.groups import cancel_and_wait, wait_first
+from aurora.runtime.threads import in_thread, to_the_end
 from aurora.store import DeltaStore
 from aurora.store.anchors import Keep
 from aurora.store.store import anchor_image
 
 log = structlog.get_logger("aurora.actors.flow")
-_T = TypeVar("_T")
 
 UNSIGNED = Sealer(None, bytes(16))
 """What a trainer without a signing key seals with: the stream keeps its shape, nothing is signed."""
@@ -291,7 +291,7 @@ class VersionFlow:
             target_version=target,
             stats=stats,
             threads=self.threads,
-            coding=await asyncio.to_thread(self.coding.codings, list(new), self.coding.link()),
+            coding=await in_thread(self.coding.codings, list(new), self.coding.link()),
         )
         n = m.n_chunks
         packed = pack_manifest(m)
@@ -300,7 +300,7 @@ class VersionFlow:
         self._remember(target, stored)
         self.router.delta_started(DeltaInfo(self.version, target, n + 1))
         # the state hash (all the weights, BLAKE3) runs in a thread while the chunks are encoded
-        hashing = asyncio.ensure_future(asyncio.to_thread(self._hash_state, new)) if self._signs else None
+        hashing = asyncio.ensure_future(in_thread(self._hash_state, new)) if self._signs else None
         self._dispatch(self.router.commands())
         i, encode_s, store_s = 0, 0.0, 0.0
         try:
@@ -540,7 +540,7 @@ class VersionFlow:
         rx = inc.receiver
         while self._incoming is inc:
             items = rx.undecoded(base)  # taken here, where chunks are added: the thread reads only these
-            if not items or not await asyncio.to_thread(rx.decode_ahead, items, base, threads=self.threads):
+            if not items or not await in_thread(rx.decode_ahead, items, base, threads=self.threads):
                 return
 
     async def _sealed(self, target: int, wire: SealWire) -> int | None:
@@ -605,12 +605,10 @@ class VersionFlow:
         t = time.perf_counter()
         async with self.weights_lock:
             if m.is_snapshot or self.weights is None:
-                self.weights, cancelled = await _to_the_end(
-                    asyncio.to_thread(_commit_snapshot, inc, check, self.threads)
-                )
+                self.weights, cancelled = await to_the_end(_commit_snapshot, inc, check, self.threads)
             else:  # decode and apply in one thread hand-off, in place
-                touched, cancelled = await _to_the_end(
-                    asyncio.to_thread(_decode_and_apply, inc.receiver, self.weights, check, self.threads)
+                touched, cancelled = await to_the_end(
+                    _decode_and_apply, inc.receiver, self.weights, check, self.threads
                 )
             self.version, self.digest, self.seal = target, m.target_digest, wire
         self._incoming = None
@@ -709,7 +707,7 @@ class VersionFlow:
             raise ProtocolError(f"{self.name}: a flow with a store stores only once started (start_in)", remote=False)
         if self._anchoring is not None:
             await self._anchoring
-        if await asyncio.to_thread(self._keep, m, chunks, weights, seal, prune=prune):
+        if await in_thread(self._keep, m, chunks, weights, seal, prune=prune):
             self._anchoring = self._tg.create_task(self._promote(m.target_version, weights, seal, in_place))
 
     async def _promote(self, v: int, weights: Weights, seal: SealWire | None, in_place: bool) -> None:
@@ -723,10 +721,10 @@ class VersionFlow:
                 async with self.weights_lock:
                     if self.version != v or self.weights is not weights:
                         return  # moved on already: the next anchor-due version will be one
-                    image = await asyncio.to_thread(anchor_image, v, weights)
+                    image = await in_thread(anchor_image, v, weights)
             else:
-                image = await asyncio.to_thread(anchor_image, v, weights)
-            await asyncio.to_thread(store.write_anchor, image, seal=seal)
+                image = await in_thread(anchor_image, v, weights)
+            await in_thread(store.write_anchor, image, seal=seal)
         except (StoreError, OSError) as e:
             log.warning(ANCHOR_NOT_WRITTEN, node=self.name, version=v, error=str(e))
 
@@ -781,7 +779,7 @@ class VersionFlow:
             key = (have, version)
             made = self._served.get(key)
             if made is None:
-                made = await asyncio.to_thread(make, weights, version)
+                made = await in_thread(make, weights, version)
                 if made is None:
                     return None
                 self._served[key] = made
@@ -880,21 +878,6 @@ class VersionFlow:
 
 class GoneFromHistory(Exception):
     """What a child was to be sent has left this node's history: the child fell too far behind."""
-
-
-async def _to_the_end(work: Awaitable[_T]) -> tuple[_T, bool]:
-    """Await a thread's work to its end even if the caller is cancelled meanwhile (a thread cannot be
-    stopped, and what it changed must be labelled before anyone else looks). Returns the result and
-    whether a cancellation came in meanwhile (the caller labels what changed, then re-raises it)."""
-    fut = asyncio.ensure_future(work)
-    cancelled = False
-    while True:
-        try:
-            return await asyncio.shield(fut), cancelled
-        except asyncio.CancelledError:
-            if fut.done() and fut.cancelled():
-                raise
-            cancelled = True
 
 
 def _target(cmd: SendChunk | SendManifest) -> int:

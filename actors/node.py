@@ -127,7 +127,17 @@ from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import Learner, make_learner
 from aurora.rl.tasks import make_task
-from aurora.runtime import Actor, ActorRef, ChildSpec, Clock, LoopClock, Supervisor, cancel_and_wait, unwrap_group
+from aurora.runtime import (
+    Actor,
+    ActorRef,
+    ChildSpec,
+    Clock,
+    LoopClock,
+    Supervisor,
+    cancel_and_wait,
+    in_thread,
+    unwrap_group,
+)
 from aurora.store import DeltaStore
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
@@ -203,13 +213,13 @@ async def run_node(
     node = Node(
         name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads), clock=clock
     )
-    await asyncio.to_thread(warm_up)  # compile/load the codec kernels now, not during the first version
+    await in_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await node.open_trainer(store)
     else:
         await node.open_store(store)
         if spec.role == "rollout" and topo.engine is not None:
-            node.engine = await asyncio.to_thread(make_engine, topo.engine)
+            node.engine = await in_thread(make_engine, topo.engine)
     zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys, clock=clock)
     if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
         node.rtc = _rtc(topo, name, file, clock)
@@ -371,15 +381,15 @@ class Node:
         sealer = Sealer(self.keys.signer, self.store.run if self.store is not None else secrets.token_bytes(16))
         latest = None if self.store is None else self.store.latest()
         if latest is None:
-            weights, version = await asyncio.to_thread(learner.initial), 0
+            weights, version = await in_thread(learner.initial), 0
         else:
             assert self.store is not None
             try:
-                weights = await asyncio.to_thread(self.store.get, latest)
+                weights = await in_thread(self.store.get, latest)
             except StoreError as e:
                 raise StoreError(f"the trainer cannot resume from its store: {e}") from None
             version = latest
-            await asyncio.to_thread(learner.restore, weights, version)
+            await in_thread(learner.restore, weights, version)
             log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
         self.flow = VersionFlow(
             self.name,
@@ -393,9 +403,9 @@ class Node:
             coding=CodingPolicy.of(self.topo, self.tree, lambda: self.status.slowest_link(self.clock.now())),
             clock=self.clock,
         )
-        seal = await asyncio.to_thread(self.flow.first_seal)
+        seal = await in_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
-            await asyncio.to_thread(self.store.put_anchor, 0, weights, seal=seal)
+            await in_thread(self.store.put_anchor, 0, weights, seal=seal)
         settings = PoolSettings(
             ttl_s=self.topo.leases.ttl_s,
             prompts_per_lease=self.topo.leases.prompts_per_lease,
@@ -424,7 +434,7 @@ class Node:
         self.store = DeltaStore(store)
         for v in reversed(self.store.versions()):
             try:
-                weights, seal = await asyncio.to_thread(self._resume_from, v)
+                weights, seal = await in_thread(self._resume_from, v)
             except (StoreError, AuthError) as e:
                 log.warning(STORE_VERSION_UNUSABLE, version=v, store=str(store), error=str(e))
                 continue
@@ -558,7 +568,7 @@ class _Publisher(Actor):
                     await self.clock.sleep(learner.interval_s)
                     batch = []
                 try:
-                    new = await asyncio.to_thread(learner.step, batch)
+                    new = await in_thread(learner.step, batch)
                 except Exception:
                     if publishing is not None:
                         await publishing

@@ -58,7 +58,7 @@ from aurora.protocol.messages import (
 from aurora.protocol.workpool import Accepted, Rejected, WorkPool, leases_in, renew_messages
 from aurora.rl.engines import Engine, WeightUpdate
 from aurora.rl.types import Completion, Prompt
-from aurora.runtime import Actor, unwrap_group, wait_first
+from aurora.runtime import Actor, in_thread, unwrap_group, wait_first
 
 log = structlog.get_logger("aurora.actors.work")
 
@@ -292,7 +292,7 @@ class Worker(Actor):
         version = self.engine.version
         assert version is not None
         t0 = time.perf_counter()
-        done = await asyncio.to_thread(self.engine.generate, held, version, self.group_size)
+        done = await in_thread(self.engine.generate, held, version, self.group_size)
         self.stats.generate_s += time.perf_counter() - t0
         for c in done:
             self.stats.completions += 1
@@ -317,7 +317,7 @@ class Worker(Actor):
             assert digest is not None
             assert w is not None
             upd = WeightUpdate(v, digest, w, self.flow.touched_since(self.engine.version))
-            await asyncio.to_thread(self.engine.apply, upd)
+            await in_thread(self.engine.apply, upd)
         dt = time.perf_counter() - t0
         self.stats.switches += 1
         self.stats.switch_s += dt

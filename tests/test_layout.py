@@ -281,6 +281,21 @@ def test_the_time_check_finds_what_it_forbids(tmp_path: Path) -> None:
     ]
 
 
+def test_drivers_hand_work_to_threads_only_through_in_thread() -> None:
+    """`asyncio.to_thread` lets a cancelled caller go while its thread runs on (aurora/runtime/threads.py):
+    the drivers use `in_thread` / `to_the_end`, which wait for the thread."""
+    bad = []
+    for folder in DRIVERS:
+        for f in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                name = ast.unparse(node) if isinstance(node, ast.Attribute | ast.Name) else ""
+                if name in ("asyncio.to_thread", "to_thread") or (
+                    isinstance(node, ast.ImportFrom) and any(a.name == "to_thread" for a in node.names)
+                ):
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "asyncio.to_thread in a driver (use aurora.runtime.in_thread):\n" + "\n".join(sorted(set(bad)))
+
+
 EVENTS = {v: k for k, v in vars(aurora.events).items() if k.isupper()}
 NOT_EVENTS = {ROOT / "tests/golden_inputs.py", ROOT / "tests/test_golden.py"}
 """Files where a word that is also an event's name means something else ("step" is a tensor there)."""

@@ -324,3 +324,62 @@ async def test_main_returning_ends_a_transient_actor_normally() -> None:
     assert not sup.ref("loop").alive
     sup.stop()
     await task
+
+
+async def test_a_cancelled_caller_leaves_in_thread_only_once_its_thread_has_ended() -> None:
+    """The publisher's learner step, a worker's engine apply: a supervisor that restarts the actor must
+    not find the old thread still changing what the new actor reads."""
+    import threading
+    import time
+
+    from aurora.runtime import in_thread
+
+    started, ended = threading.Event(), threading.Event()
+
+    def work() -> str:
+        started.set()
+        time.sleep(0.3)
+        ended.set()
+        return "done"
+
+    task = asyncio.ensure_future(in_thread(work))
+    while not started.is_set():  # noqa: ASYNC110 (a thread's event, not the loop's)
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()  # twice: still waits
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended.is_set(), "the caller was let go while its thread still ran"
+
+
+async def test_to_the_end_says_whether_the_caller_was_cancelled_and_chains_the_threads_error() -> None:
+    import threading
+    import time
+
+    from aurora.runtime import to_the_end
+
+    assert await to_the_end(lambda: 7) == (7, False)
+    with pytest.raises(ValueError, match="boom"):
+        await to_the_end(_raise_later, 0.0)
+    started = threading.Event()
+
+    def slow_then_fail() -> None:
+        started.set()
+        time.sleep(0.2)
+        raise ValueError("late boom")
+
+    task = asyncio.ensure_future(to_the_end(slow_then_fail))
+    while not started.is_set():  # noqa: ASYNC110 (a thread's event, not the loop's)
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError) as got:
+        await task
+    assert isinstance(got.value.__cause__, ValueError)
+
+
+def _raise_later(delay_s: float) -> None:
+    import time
+
+    time.sleep(delay_s)
+    raise ValueError("boom")
