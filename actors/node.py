@@ -85,7 +85,7 @@ from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.rl import EngineSpec
 from aurora.config.topology import Topology, WebRtcSpec
-from aurora.errors import AuroraError, AuthError, ConfigError, StoreError, TransportClosed
+from aurora.errors import AuroraError, AuthError, ConfigError, StoreError, TransportClosed, peer_fault
 from aurora.events import (
     CHILD_ATTACHED,
     NODE_RESUMED,
@@ -632,10 +632,8 @@ class _Children(Actor):
 
     async def _serve(self, ch: Channel) -> None:
         self.open.add(ch)
-        try:
-            await _child(self.node, ch)
-        finally:
-            self.open.discard(ch)
+        await _child(self.node, ch)
+        self.open.discard(ch)  # served to its end; a crash or a cancellation leaves it to `main` to close
 
 
 async def _child(node: Node, ch: Channel) -> None:
@@ -644,8 +642,10 @@ async def _child(node: Node, ch: Channel) -> None:
         await _serve_child(node, ch)
     except TransportClosed as e:
         log.info("child_detached", child=ch.peer, reason=str(e))
-    except Exception as e:  # noqa: BLE001  (isolation: one child's trouble is never the node's)
-        log.error("child_failed", child=ch.peer, error=repr(e)[:500])
+    except Exception as e:
+        if not peer_fault(e):
+            raise  # a local failure (a bug, a full disk): the children actor crashes and its supervisor counts it
+        log.warning("child_failed", child=ch.peer, error=repr(e)[:500])
         with contextlib.suppress(TransportClosed):
             await ch.close(f"failed while serving this child: {type(e).__name__}")
     finally:
@@ -753,31 +753,33 @@ class _Uplink(Actor):
         node = self.node
         addr = node.topo.node(parent).listen
         assert addr is not None  # checked when the topology was loaded
-        with unwrap_group():
-            async with asyncio.TaskGroup() as tg:  # owns the WebRTC signalling loop while with this parent
-                signalling: asyncio.Task[None] | None = None
-                try:
-                    if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
-                        ch, signalling = await _dial_webrtc(node.rtc, self.zt, parent, addr, tg)
-                    else:
-                        ch = await self.zt.connect(parent, addr)
-                except TransportClosed as e:
-                    with contextlib.suppress(_Left):
-                        await self._do(up, None, up.unreachable(str(e), self.clock.now()))
-                else:
+        try:
+            with unwrap_group():
+                async with asyncio.TaskGroup() as tg:  # owns the WebRTC signalling loop while with this parent
+                    signalling: asyncio.Task[None] | None = None
                     try:
-                        await self._serve(up, ch)
-                    except _Left as left:
-                        if left.leave.close is not None:
-                            with contextlib.suppress(TransportClosed):
-                                await ch.close(left.leave.close)
-                    finally:
-                        if signalling is not None:
-                            signalling.cancel()  # then awaited by the task group
-                            with contextlib.suppress(TransportClosed):
-                                await ch.close("leaving this parent")
-        node.flow.parent_lost(left=True)
-        await self.zt.disconnect(parent)
+                        if node.rtc is not None and isinstance(node.topo.node(node.name).transport, WebRtcSpec):
+                            ch, signalling = await _dial_webrtc(node.rtc, self.zt, parent, addr, tg)
+                        else:
+                            ch = await self.zt.connect(parent, addr)
+                    except TransportClosed as e:
+                        with contextlib.suppress(_Left):
+                            await self._do(up, None, up.unreachable(str(e), self.clock.now()))
+                    else:
+                        try:
+                            await self._serve(up, ch)
+                        except _Left as left:
+                            if left.leave.close is not None:
+                                with contextlib.suppress(TransportClosed):
+                                    await ch.close(left.leave.close)
+                        finally:
+                            if signalling is not None:
+                                signalling.cancel()  # then awaited by the task group
+                                with contextlib.suppress(TransportClosed):
+                                    await ch.close("leaving this parent")
+        finally:  # left, or crashed on a local failure: the next life of the uplink dials afresh
+            node.flow.parent_lost(left=True)
+            await self.zt.disconnect(parent)
 
     async def _serve(self, up: membership.Uplink, ch: Channel) -> NoReturn:
         """Say hello on ``ch`` and follow the parent's stream; what ends it is fed to the machine, which
@@ -795,8 +797,12 @@ class _Uplink(Actor):
             raise
         except (TransportClosed, TimeoutError) as e:
             outs = up.lost(str(e) or "no answer", self.clock.now())
-        except Exception as e:  # noqa: BLE001  (a corrupt, forged or out-of-order stream, or any failure: next parent)
-            outs = up.failed(repr(e)[:500], type(e).__name__, self.clock.now())
+        except Exception as e:
+            if not peer_fault(e):
+                raise  # a local failure is not the parent's: the uplink crashes and its supervisor counts it
+            outs = up.failed(
+                repr(e)[:500], type(e).__name__, self.clock.now()
+            )  # a corrupt, forged or out-of-order stream
         finally:
             node.parent = None
         await self._do(up, ch, outs)

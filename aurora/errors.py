@@ -65,3 +65,11 @@ class ActorDead(AuroraError):
 
 class RestartIntensityExceeded(AuroraError):
     """A supervisor saw more restarts than its intensity allows and gave up."""
+
+
+def peer_fault(e: BaseException) -> bool:
+    """Is ``e`` a peer's fault — what may make a node leave or quarantine a parent, or close a child:
+    `DeltaFormatError`, `AuthError`, `ProtocolError` with ``remote``, `TransportClosed`. Anything else
+    (a bug, a full disk, an engine error) is this node's own: the actor crashes and its supervisor
+    counts it (let it crash)."""
+    return isinstance(e, DeltaFormatError | AuthError | TransportClosed) or (isinstance(e, ProtocolError) and e.remote)
