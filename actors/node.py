@@ -113,6 +113,7 @@ from aurora.protocol.messages import (
     Have,
     Held,
     Hello,
+    Lane,
     NodeReport,
     PathUpdate,
     Refused,
@@ -842,12 +843,32 @@ class _Uplink(Actor):
                 _log_membership(node, out)
 
     async def _stream(self, up: membership.Uplink, ch: Channel) -> None:
-        """The parent's messages: paths to the machine, versions to the flow, work down the tree."""
+        """The parent's messages, one reader per lane: control (paths to the machine, work down the
+        tree) never waits for the version stream, whose reader waits on commits (docs/transport.md)."""
+        with unwrap_group():
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._versions(ch))
+                await self._control(up, ch)
+
+    async def _versions(self, ch: Channel) -> None:
+        """The bulk lane: versions to the flow (a commit may wait here; credit holds the parent back)."""
         node = self.node
-        flow = node.flow
+        while True:
+            msg = await ch.recv(Lane.BULK)
+            if not isinstance(msg.msg, DeltaManifest | DeltaChunk | DeltaSeal):
+                ch.fault(f"a {type(msg.msg).__name__} from the parent")
+                continue
+            v = await node.flow.on_parent_message(msg)
+            if v is not None:
+                await ch.send(Have(v=v))
+                await ch.send(Held(n=node.name, v=v))
+
+    async def _control(self, up: membership.Uplink, ch: Channel) -> None:
+        """The control lane: paths to the machine, work down the tree; never waits on a commit."""
+        node = self.node
         worker = node.ref("worker")
         while True:
-            msg = await ch.recv()
+            msg = await ch.recv(Lane.CONTROL)
             m = msg.msg
             if isinstance(m, PathUpdate):
                 await self._do(up, ch, up.path_moved(m.path, self.clock.now()))
@@ -858,11 +879,6 @@ class _Uplink(Actor):
                     await node.down(m, tuple(msg.buffers))
                 else:
                     ch.fault(f"a {type(m).__name__} for {m.w!r}, which is not below this node")
-            elif isinstance(m, DeltaManifest | DeltaChunk | DeltaSeal):
-                v = await flow.on_parent_message(msg)
-                if v is not None:
-                    await ch.send(Have(v=v))
-                    await ch.send(Held(n=node.name, v=v))
             elif isinstance(m, Signal):
                 ch.fault("signalling on a version stream")
             else:

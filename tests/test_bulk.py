@@ -17,7 +17,8 @@ from structlog.testing import capture_logs
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.events import BULK_FRAME_REJECTED, BULK_RESUMED, BULK_STREAM_DROPPED
 from aurora.protocol.bulk import BulkAssembly, BulkOffer, frame_digest, payload_digest, to_ranges
-from aurora.protocol.messages import AppMessage, BulkFrame
+from aurora.protocol.link import bulk_size
+from aurora.protocol.messages import AppMessage, BulkFrame, Lane
 from aurora.testing.memory import MemoryChannel, memory_channel_pair
 
 
@@ -103,8 +104,8 @@ class FlakyChannel:
                 buffers = (bytes(bad),)
         await self.inner.send(header, *buffers)
 
-    async def recv(self) -> Message:
-        return await self.inner.recv()
+    async def recv(self, lane: Lane | None = None) -> Message:
+        return await self.inner.recv(lane)
 
     async def close(self, reason: str = "closed") -> None:
         await self.inner.close(reason)
@@ -116,7 +117,7 @@ class FlakyChannel:
 def _pairs(n: int, **flaky: Any) -> tuple[list[FlakyChannel], list[MemoryChannel]]:
     senders, receivers = [], []
     for _ in range(n):
-        a, b = memory_channel_pair(window=8)
+        a, b = memory_channel_pair(window=8, bulk_bytes=8 * bulk_size(FRAME))
         senders.append(FlakyChannel(a, **flaky))
         receivers.append(b)
     return senders, receivers

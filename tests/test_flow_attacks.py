@@ -18,6 +18,7 @@ from aurora.auth.seal import Sealer, SealVerifier
 from aurora.codec import Weights
 from aurora.codec.format import pack_chunk, unpack_chunk
 from aurora.errors import AuthError, TransportClosed
+from aurora.protocol.link import bulk_size
 from aurora.protocol.messages import DeltaChunk, DeltaSeal, Have
 from aurora.testing.memory import memory_channel_pair
 from tests.helpers import perturb
@@ -71,7 +72,8 @@ async def test_a_child_that_never_reads_stalls_no_one_and_is_cut_off() -> None:
         tg.create_task(_listen(trainer, d1))
         trainer.add_child(d1, None)
         tg.create_task(trainer.serve_child(d1))
-        d2, u2 = memory_channel_pair("trainer", "evil", window=8)  # never reads u2, and says it keeps up
+        # never reads u2, and says it keeps up; its bulk lane holds about 8 of these small messages
+        d2, u2 = memory_channel_pair("trainer", "evil", window=8, bulk_bytes=8 * bulk_size(512))
         tg.create_task(_listen(trainer, d2))
         trainer.add_child(d2, 0)
         tg.create_task(trainer.serve_child(d2))
@@ -94,7 +96,7 @@ async def test_a_child_that_never_reads_stalls_no_one_and_is_cut_off() -> None:
 async def test_a_child_that_vanishes_mid_send_costs_the_publisher_nothing() -> None:
     trainer = VersionFlow("trainer", _w0(), 0)
     async with asyncio.TaskGroup() as tg:
-        down, up = memory_channel_pair("trainer", "gone", window=2)
+        down, up = memory_channel_pair("trainer", "gone", window=2, bulk_bytes=2 * bulk_size(512))
         trainer.add_child(down, 0)
         tg.create_task(trainer.serve_child(down))
         w = trainer.weights

@@ -384,3 +384,64 @@ def test_the_fault_budget_is_a_sliding_window(gaps: list[float], limit: int, win
         times.append(now)
         recent = times[-limit:]
         assert budget.spend(now) == (len(recent) == limit and now - recent[0] < window_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.integers(1, 5),
+    bulk_bytes=st.integers(1, 5000),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["send_c", "send_b", "read_c", "read_b", "deliver"]), st.integers(0, 3000)),
+        max_size=120,
+    ),
+)
+def test_two_lanes_each_keep_their_own_credit_and_order(
+    window: int, bulk_bytes: int, ops: list[tuple[str, int]]
+) -> None:
+    """Control and bulk credit are separate: a full bulk lane never stops a control send; a sender is at
+    most ``window`` control messages and ``bulk_bytes`` bulk bytes (or one bulk message) ahead of what
+    was read; an honest sender never overruns the receiver; each lane keeps its own order."""
+    from aurora.protocol.messages import Lane
+
+    tx = Link[tuple[Lane, int]]("rx", window=window, bulk_bytes=bulk_bytes)
+    rx = Link[tuple[Lane, int]]("tx", window=window, bulk_bytes=bulk_bytes)
+    pipe: deque[tuple[Lane, int, int]] = deque()  # (lane, seq, size) on the wire, in order
+    inbox: dict[Lane, deque[tuple[int, int]]] = {Lane.CONTROL: deque(), Lane.BULK: deque()}
+    sent = {Lane.CONTROL: 0, Lane.BULK: 0}
+    got = {Lane.CONTROL: 0, Lane.BULK: 0}
+
+    def frames_to_tx(out: list[Output[tuple[Lane, int]]]) -> None:
+        for o in out:
+            if isinstance(o, SendFrame):
+                tx.received(o.frame, 0.0)
+
+    for op, size in ops:
+        if op == "send_c":
+            control_room = tx.in_flight < window
+            assert tx.try_send(Lane.CONTROL) == control_room, "control credit depends on control alone"
+            if control_room:
+                pipe.append((Lane.CONTROL, sent[Lane.CONTROL], 0))
+                sent[Lane.CONTROL] += 1
+        elif op == "send_b":
+            if tx.try_send(Lane.BULK, size + 1):
+                pipe.append((Lane.BULK, sent[Lane.BULK], size + 1))
+                sent[Lane.BULK] += 1
+        elif op == "deliver" and pipe:
+            lane, seq, sz = pipe.popleft()
+            out = rx.received(LinkData(), 0.0, (lane, seq), lane, sz)
+            assert not any(isinstance(o, Closed) for o in out), "an honest sender overran the receiver"
+            for o in out:
+                if isinstance(o, Deliver):
+                    inbox[o.lane].append((o.message[1], o.size))
+        elif op in ("read_c", "read_b"):
+            lane = Lane.CONTROL if op == "read_c" else Lane.BULK
+            if inbox[lane]:
+                seq, sz = inbox[lane].popleft()
+                assert seq == got[lane], "out of order within a lane"
+                got[lane] += 1
+                frames_to_tx(rx.read(lane, sz))
+        assert 0 <= tx.in_flight <= window
+        in_pipe_b = [sz for ln, _, sz in pipe if ln is Lane.BULK]
+        assert tx.bulk_in_flight <= bulk_bytes or len(in_pipe_b) + len(inbox[Lane.BULK]) <= 1
+        assert rx.unread <= window
+        assert rx.bulk_unread <= bulk_bytes or len(inbox[Lane.BULK]) <= 1

@@ -9,9 +9,15 @@ message before a channel hands it out; what fails is the peer's fault
 
 Rules every implementation keeps (checked by `aurora.testing.conformance`):
 
-* messages arrive once, in the order sent, header and buffers intact;
-* `send` waits while the peer holds ``window`` unread messages (credit-based
-  flow control), so memory stays bounded whatever the peer does;
+* messages arrive once, in the order sent within their lane, header and
+  buffers intact: a message travels in the control lane or the bulk lane
+  (`aurora.protocol.messages.lane_of`: a version's stream and striped payloads
+  are bulk), and a control message never waits behind bulk ones — not for
+  credit, not to be read (`recv` returns control first; `recv(lane)` reads one
+  lane: docs/transport.md);
+* `send` waits while the peer holds ``window`` unread control messages, or
+  its bulk byte window of unread bulk ones (credit-based flow control), so
+  memory stays bounded whatever the peer does;
 * a message above ``max_frame_bytes`` is refused at `send` with
   `FrameTooLarge`, never buffered;
 * `close(reason)` is seen by the peer: its `recv` raises `TransportClosed`
@@ -30,7 +36,7 @@ from typing import Protocol
 
 from aurora.errors import AuroraError, ConfigError
 from aurora.protocol.liveness import timing_problem
-from aurora.protocol.messages import AppMessage
+from aurora.protocol.messages import AppMessage, Lane
 
 DEFAULT_WINDOW = 64
 """Unread messages a receiver lets a sender have in flight."""
@@ -66,8 +72,9 @@ class Channel(Protocol):
         """Send one message; waits for flow-control credit. Cancellation-safe before the send starts."""
         ...
 
-    async def recv(self) -> Message:
-        """The next message; raises `TransportClosed` (with the reason) once closed."""
+    async def recv(self, lane: Lane | None = None) -> Message:
+        """The next message of ``lane`` (None: either, control first); raises `TransportClosed` (with
+        the reason) once closed."""
         ...
 
     async def close(self, reason: str = "closed") -> None: ...

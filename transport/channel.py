@@ -25,6 +25,7 @@ clean slate).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterable
 
 import structlog
@@ -34,6 +35,7 @@ from aurora.errors import TransportClosed
 from aurora.events import BAD_MESSAGE, CHANNEL_CLOSED
 from aurora.logs import Throttle
 from aurora.protocol.link import (
+    DEFAULT_BULK_BYTES,
     FAULT_WINDOW_S,
     FAULTS_TO_CLOSE,
     Closed,
@@ -45,11 +47,13 @@ from aurora.protocol.link import (
     Output,
     SendFrame,
     Writable,
+    bulk_size,
 )
 from aurora.protocol.liveness import PeerLost, PeerRejoined
 from aurora.protocol.messages import (
     AppMessage,
     BadMessage,
+    Lane,
     LinkBeat,
     LinkClose,
     LinkCredit,
@@ -57,6 +61,7 @@ from aurora.protocol.messages import (
     LinkFrame,
     decode_app,
     encode_app,
+    lane_of,
 )
 from aurora.runtime.clock import Clock, LoopClock
 
@@ -72,6 +77,7 @@ class ChannelBase:
         window: int,
         max_frame_bytes: int,
         *,
+        bulk_bytes: int = DEFAULT_BULK_BYTES,
         timings: LinkTimings | None = None,
         incarnation: int = 0,
         name: str | None = None,
@@ -87,6 +93,7 @@ class ChannelBase:
         self.link: Link[Message] = Link(
             peer,
             window=window,
+            bulk_bytes=bulk_bytes,
             timings=timings,
             now=self.clock.now() if timings is not None else 0.0,
             incarnation=incarnation,
@@ -94,7 +101,10 @@ class ChannelBase:
             await_peer=await_peer,
             seed=seed,
         )
-        self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self._inbox: dict[Lane, deque[tuple[Message, int]]] = {lane: deque() for lane in Lane}
+        """Per lane, messages delivered and not yet read, each with its bulk credit."""
+        self._arrived = asyncio.Event()
+        """A message was delivered, or the channel closed: readers look again."""
         self._writable = asyncio.Event()
         self._closed_ev = asyncio.Event()
 
@@ -117,11 +127,14 @@ class ChannelBase:
         return self.link.cut_off
 
     async def send(self, msg: AppMessage, *buffers: bytes | memoryview) -> None:
-        """Send one message; waits for credit. Cancellation-safe until the message is on the wire."""
+        """Send one message; waits for credit in its lane (`lane_of`). Cancellation-safe until the
+        message is on the wire."""
         self.link.ensure_open()
         header = encode_app(msg)
         check_frame((header, *buffers), self.max_frame_bytes, self.peer)
-        while not self.link.try_send():  # raises TransportClosed once closed
+        lane = lane_of(msg)
+        size = bulk_size(sum(memoryview(b).nbytes for b in buffers)) if lane is Lane.BULK else 0
+        while not self.link.try_send(lane, size):  # raises TransportClosed once closed
             self._writable.clear()
             await self._writable.wait()
         try:
@@ -131,15 +144,20 @@ class ChannelBase:
             self._shut("send cancelled mid-message")
             raise
 
-    async def recv(self) -> Message:
-        """The next message in order; raises `TransportClosed` (with the reason) once closed."""
-        msg = await self._inbox.get()
-        if msg is None:
-            self._inbox.put_nowait(None)  # keep waking other receivers
-            self.link.ensure_open("from")
-            raise TransportClosed(f"channel from {self.peer!r} is closed")
-        self._do(self.link.read())
-        return msg
+    async def recv(self, lane: Lane | None = None) -> Message:
+        """The next message of ``lane`` in order (None: of either lane, control first); raises
+        `TransportClosed` (with the reason) once closed. Cancellation-safe."""
+        lanes = (Lane.CONTROL, Lane.BULK) if lane is None else (lane,)
+        while True:
+            for one in lanes:
+                if self._inbox[one]:
+                    msg, size = self._inbox[one].popleft()
+                    self._do(self.link.read(one, size))
+                    return msg
+            if self.link.closed:
+                raise TransportClosed(f"channel from {self.peer!r} is closed ({self.link.reason})")
+            self._arrived.clear()
+            await self._arrived.wait()
 
     async def close(self, reason: str = "closed") -> None:
         """Close, telling the peer; returns once closed (at once if it was)."""
@@ -176,7 +194,12 @@ class ChannelBase:
 
     # -- for the transport's receive path and timer
     def _received(self, frame: LinkFrame, message: Message | None = None) -> None:
-        self._do(self.link.received(frame, self.clock.now(), message))
+        if message is None:
+            self._do(self.link.received(frame, self.clock.now()))
+            return
+        lane = lane_of(message.msg)
+        size = bulk_size(message.nbytes) if lane is Lane.BULK else 0
+        self._do(self.link.received(frame, self.clock.now(), message, lane, size))
 
     def _received_app(self, frame: LinkData, header: bytes | memoryview, buffers: tuple[memoryview, ...]) -> None:
         """A data frame's application message, in its header and buffers: decoded and delivered, or
@@ -204,7 +227,8 @@ class ChannelBase:
             if isinstance(out, SendFrame):
                 self._send_control(out.frame)
             elif isinstance(out, Deliver):
-                self._inbox.put_nowait(out.message)
+                self._inbox[out.lane].append((out.message, out.size))
+                self._arrived.set()
             elif isinstance(out, Writable):
                 self._writable.set()
             elif isinstance(out, Faulted):
@@ -220,7 +244,7 @@ class ChannelBase:
             elif isinstance(out, Closed):
                 self._writable.set()
                 self._closed_ev.set()
-                self._inbox.put_nowait(None)
+                self._arrived.set()
                 self._on_shut()
                 log.info(CHANNEL_CLOSED, peer=self.peer, reason=out.reason)
 

@@ -71,7 +71,7 @@ from aurora.transport.channel import ChannelBase
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.events import WEBRTC_ACCEPTED, WEBRTC_FINGERPRINT_MISMATCH
-from aurora.protocol.link import LinkTimings
+from aurora.protocol.link import DEFAULT_BULK_BYTES, LinkTimings
 from aurora.protocol.messages import (
     MAX_REASON_CHARS,
     AppMessage,
@@ -117,6 +117,8 @@ class RtcConfig:
     ice_servers: tuple[IceServer, ...] = ()
     """STUN/TURN servers; none means host candidates only (aiortc's default would reach a public server)."""
     window: int = DEFAULT_WINDOW
+    bulk_bytes: int = DEFAULT_BULK_BYTES
+    """Bulk-lane bytes a receiver lets a sender have unread (docs/transport.md)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     buffered_low_bytes: int = 1 << 20
     """A sender waits while more than this many bytes sit unsent in the SCTP association."""
@@ -265,6 +267,7 @@ class WebRtcChannel(ChannelBase):
             peer,
             cfg.window,
             cfg.max_frame_bytes,
+            bulk_bytes=cfg.bulk_bytes,
             timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
             incarnation=new_incarnation(),
             clock=clock,

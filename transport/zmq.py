@@ -65,7 +65,7 @@ from aurora.auth.keys import CurveKeys, NodeKeys
 from aurora.errors import ConfigError, ProtocolError, TransportClosed
 from aurora.events import BAD_FRAME, CURVE_CLIENT_REFUSED
 from aurora.logs import Throttle
-from aurora.protocol.link import FAULT_WINDOW_S, FaultBudget, LinkTimings
+from aurora.protocol.link import DEFAULT_BULK_BYTES, FAULT_WINDOW_S, FaultBudget, LinkTimings
 from aurora.protocol.messages import (
     MAX_PROBE_BUFFERS,
     BadMessage,
@@ -104,6 +104,9 @@ _quiet = Throttle(every_s=5.0)
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
     window: int = DEFAULT_WINDOW
+    """Control-lane messages a receiver lets a sender have unread."""
+    bulk_bytes: int = DEFAULT_BULK_BYTES
+    """Bulk-lane bytes a receiver lets a sender have unread (what a control message waits behind at most)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     hwm: int = 1000
     heartbeat_s: float = 0.5
@@ -126,6 +129,7 @@ class ZmqChannel(ChannelBase):
             peer,
             cfg.window,
             cfg.max_frame_bytes,
+            bulk_bytes=cfg.bulk_bytes,
             timings=LinkTimings(cfg.heartbeat_s, cfg.suspect_after_s, cfg.lost_after_s),
             incarnation=link.incarnation,
             name=link.node_id,

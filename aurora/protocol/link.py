@@ -24,13 +24,23 @@ peer, an overrun window, too many faults, or a local `abort`/`shut`.
 
 Rules and invariants (tests/test_protocol_link.py holds two connected links to them):
 
-* **Credit** is cumulative, so a lost or late report never leaks any: the sender counts messages
-  sent, the receiver the messages the application has read, and reports that total (``c`` every
-  ``max(1, window // 2)`` reads, and ``r`` on every heartbeat). A sender is at most ``window``
-  messages ahead of the total it was told (``0 <= sent - acked <= window``; a report above what
-  was sent counts as what was sent); `try_send` counts a message only while it is so.
-* A receiver holds at most ``window`` delivered, unread messages: a data frame beyond that closes
-  the link (the peer overran the window).
+* **Two lanes** (`aurora.protocol.messages.Lane`, chosen per message kind by `lane_of` at both
+  ends): control (work, membership, status) and bulk (a version's stream, striped payloads). Each
+  has its own credit and its own delivery order, so a control message never waits for credit, or
+  to be read, behind bulk ones; order holds within a lane, not across them.
+* **Credit** is cumulative per lane, so a lost or late report never leaks any: the sender counts
+  what it sent, the receiver what the application has read, and reports those totals (``c``, and
+  ``r``/``rb`` on every heartbeat). Control credit counts messages: a sender is at most ``window``
+  ahead of the total it was told (``0 <= sent - acked <= window``; a report above what was sent
+  counts as what was sent), reported every ``max(1, window // 2)`` reads. Bulk credit counts bytes
+  (`bulk_size`: buffers plus a per-message overhead): a sender is at most ``bulk_bytes`` ahead, or
+  one message ahead of all it was told however large (reported every ``bulk_bytes // 2``). So the
+  bulk bytes queued in the transport stay within ``bulk_bytes``, and a control message queued
+  behind them waits at most that many bytes' time on the wire. `try_send` counts a message only
+  while its lane allows it.
+* A receiver holds at most ``window`` delivered, unread control messages, and at most
+  ``bulk_bytes`` of unread bulk ones (or a single one): a data frame beyond that closes the link
+  (the peer overran the window).
 * **Liveness** (`aurora.protocol.liveness.PeerLiveness`, one peer): a heartbeat goes out every
   ``heartbeat_s`` (jittered); any frame from the peer shows it alive; a peer silent for
   ``lost_after_s`` is lost (the link closes, ``peer lost: silent for … s``) and one heard within
@@ -54,14 +64,25 @@ from typing import Generic, TypeVar
 
 from aurora.errors import ProtocolError, TransportClosed
 from aurora.protocol.liveness import DEFAULT_JITTER, Heartbeat, PeerLiveness, PeerLost, PeerRejoined
-from aurora.protocol.messages import MAX_REASON_CHARS, LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
+from aurora.protocol.messages import MAX_REASON_CHARS, Lane, LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
 
 FAULTS_TO_CLOSE = 16
 FAULT_WINDOW_S = 10.0
 """A peer may send this many bad messages in this many seconds before its channel is closed: a
 slip (one message of a kind this build does not know) is forgiven, a stream of garbage is not."""
 
+DEFAULT_BULK_BYTES = 16 * 1024 * 1024
+"""Bulk bytes a sender may have unread at its peer: 1.3 s of a 100 Mbit/s link (what a control message
+behind them waits at most), 25x the bandwidth-delay product of such a link at 50 ms RTT."""
+BULK_MESSAGE_OVERHEAD = 1024
+"""What a bulk message costs in credit besides its buffers, so that empty ones cannot pile up unbounded."""
+
 M = TypeVar("M")
+
+
+def bulk_size(buffer_bytes: int) -> int:
+    """What one bulk message with ``buffer_bytes`` of buffers costs in bulk credit (both ends count alike)."""
+    return buffer_bytes + BULK_MESSAGE_OVERHEAD
 
 
 class LinkState(enum.Enum):
@@ -94,9 +115,12 @@ class SendFrame:
 
 @dataclass(frozen=True, slots=True)
 class Deliver(Generic[M]):
-    """Hand the application this message (in order)."""
+    """Hand the application this message (in order within its lane)."""
 
     message: M
+    lane: Lane = Lane.CONTROL
+    size: int = 0
+    """Its bulk credit (`bulk_size`), for a bulk message: what `read` is given back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +175,7 @@ class Link(Generic[M]):
         peer: str,
         *,
         window: int,
+        bulk_bytes: int = DEFAULT_BULK_BYTES,
         timings: LinkTimings | None = None,
         now: float = 0.0,
         incarnation: int = 0,
@@ -158,10 +183,11 @@ class Link(Generic[M]):
         await_peer: bool = False,
         seed: int = 0,
     ) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+        if window < 1 or bulk_bytes < 1:
+            raise ValueError(f"window and bulk_bytes must be at least 1, got {window} and {bulk_bytes}")
         self.peer = peer
         self.window = window
+        self.bulk_bytes = bulk_bytes
         self.name = name
         self.incarnation = incarnation
         self.state = LinkState.AWAITING_PEER if await_peer else LinkState.OPEN
@@ -175,6 +201,12 @@ class Link(Generic[M]):
         self.delivered = 0
         self.read_total = 0
         self._reported = 0
+        self.bulk_sent = 0
+        """Bulk bytes sent (`bulk_size` each message), and the peer's reported bulk read total."""
+        self.bulk_acked = 0
+        self.bulk_delivered = 0
+        self.bulk_read = 0
+        self._bulk_reported = 0
         self.faults = 0
         self.cut_off = False
         self._budget = FaultBudget()
@@ -203,8 +235,18 @@ class Link(Generic[M]):
 
     @property
     def unread(self) -> int:
-        """Messages delivered that the application has not read."""
+        """Control messages delivered that the application has not read."""
         return self.delivered - self.read_total
+
+    @property
+    def bulk_in_flight(self) -> int:
+        """Bulk bytes sent that the peer has not reported read."""
+        return self.bulk_sent - self.bulk_acked
+
+    @property
+    def bulk_unread(self) -> int:
+        """Bulk bytes delivered that the application has not read."""
+        return self.bulk_delivered - self.bulk_read
 
     @property
     def remote_incarnation(self) -> int | None:
@@ -243,14 +285,22 @@ class Link(Generic[M]):
             self._live.heard(self.peer, now)
             self._live.events()  # a suspected peer recovered: nothing to do
 
-    def received(self, frame: LinkFrame, now: float, message: M | None = None) -> list[Output[M]]:
-        """A link frame from the peer; ``message``: a data frame's decoded application message."""
+    def received(
+        self, frame: LinkFrame, now: float, message: M | None = None, lane: Lane = Lane.CONTROL, size: int = 0
+    ) -> list[Output[M]]:
+        """A link frame from the peer; ``message``: a data frame's decoded application message, in
+        ``lane`` (`lane_of`), with ``size`` its bulk credit (`bulk_size`) if a bulk one."""
         if self.state is LinkState.CLOSED:
             return []
         if isinstance(frame, LinkData):
             if message is None:
                 raise ProtocolError("a data frame is received with its decoded message", remote=False)
             self.heard(now)
+            if lane is Lane.BULK:
+                if self.bulk_unread and self.bulk_unread + size > self.bulk_bytes:
+                    return self._end(f"peer {self.peer!r} overran the bulk flow-control window")
+                self.bulk_delivered += size
+                return [Deliver(message, lane, size)]
             if self.unread >= self.window:
                 return self._end(f"peer {self.peer!r} overran the flow-control window")
             self.delivered += 1
@@ -259,7 +309,7 @@ class Link(Generic[M]):
             return self._end(frame.reason)
         if isinstance(frame, LinkCredit):
             self.heard(now)
-            return [Writable()] if self._credit(frame.n) else []
+            return [Writable()] if self._credit(frame.n, frame.b) else []
         return self._heartbeat(frame, now)
 
     def fault(self, reason: str, now: float) -> list[Output[M]]:
@@ -272,20 +322,35 @@ class Link(Generic[M]):
             out += self.abort(why)
         return out
 
-    def read(self) -> list[Output[M]]:
-        """The application took one delivered message; every ``window // 2`` reads the total goes back."""
-        self.read_total += 1
-        if self.state is not LinkState.CLOSED and self.read_total - self._reported >= max(1, self.window // 2):
-            self._reported = self.read_total
-            return [SendFrame(LinkCredit(n=self.read_total))]
+    def read(self, lane: Lane = Lane.CONTROL, size: int = 0) -> list[Output[M]]:
+        """The application took one delivered message (of ``lane``, with its ``size`` if bulk); the
+        read totals go back every ``window // 2`` control reads or ``bulk_bytes // 2`` bulk bytes."""
+        if lane is Lane.BULK:
+            self.bulk_read += size
+        else:
+            self.read_total += 1
+        due = self.read_total - self._reported >= max(
+            1, self.window // 2
+        ) or self.bulk_read - self._bulk_reported >= max(1, self.bulk_bytes // 2)
+        if self.state is not LinkState.CLOSED and due:
+            self._reported, self._bulk_reported = self.read_total, self.bulk_read
+            return [SendFrame(LinkCredit(n=self.read_total, b=self.bulk_read))]
         return []
 
-    def try_send(self) -> bool:
-        """The application wants to send one data message: True counts it sent (the driver puts it on
-        the wire now); False: not yet (no credit, or the peer not heard yet) — wait for `Writable`.
-        Raises `TransportClosed` once the link is closing or closed."""
+    def try_send(self, lane: Lane = Lane.CONTROL, size: int = 0) -> bool:
+        """The application wants to send one data message of ``lane`` (``size``: its `bulk_size`, if
+        bulk): True counts it sent (the driver puts it on the wire now); False: not yet (no credit in
+        its lane, or the peer not heard yet) — wait for `Writable`. Raises `TransportClosed` once the
+        link is closing or closed."""
         self.ensure_open()
-        if self.state is LinkState.AWAITING_PEER or self.in_flight >= self.window:
+        if self.state is LinkState.AWAITING_PEER:
+            return False
+        if lane is Lane.BULK:
+            if self.bulk_in_flight and self.bulk_in_flight + size > self.bulk_bytes:
+                return False
+            self.bulk_sent += size
+            return True
+        if self.in_flight >= self.window:
             return False
         self.sent += 1
         return True
@@ -311,7 +376,7 @@ class Link(Generic[M]):
 
     # ------------------------------------------------------------ helpers
     def _beat(self, hb: Heartbeat) -> LinkBeat:
-        return LinkBeat(i=hb.incarnation, s=hb.seq, r=self.read_total, n=self.name)
+        return LinkBeat(i=hb.incarnation, s=hb.seq, r=self.read_total, rb=self.bulk_read, n=self.name)
 
     def _heartbeat(self, beat: LinkBeat, now: float) -> list[Output[M]]:
         if self._live is not None:
@@ -323,14 +388,18 @@ class Link(Generic[M]):
         opened = self.state is LinkState.AWAITING_PEER
         if opened:
             self.state = LinkState.OPEN
-        credited = self._credit(beat.r)
+        credited = self._credit(beat.r, beat.rb)
         return [Writable()] if opened or credited else []
 
-    def _credit(self, total: int) -> bool:
+    def _credit(self, total: int, bulk_total: int) -> bool:
+        moved = False
         if total > self.acked:
             self.acked = min(total, self.sent)
-            return True
-        return False
+            moved = True
+        if bulk_total > self.bulk_acked:
+            self.bulk_acked = min(bulk_total, self.bulk_sent)
+            moved = True
+        return moved
 
     def _end(self, reason: str) -> list[Output[M]]:
         if self.state is LinkState.CLOSED:
@@ -341,6 +410,8 @@ class Link(Generic[M]):
 
 
 __all__ = [
+    "BULK_MESSAGE_OVERHEAD",
+    "DEFAULT_BULK_BYTES",
     "FAULTS_TO_CLOSE",
     "FAULT_WINDOW_S",
     "Closed",
@@ -355,4 +426,5 @@ __all__ = [
     "PeerRejoined",
     "SendFrame",
     "Writable",
+    "bulk_size",
 ]

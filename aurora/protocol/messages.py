@@ -28,6 +28,7 @@ another) is the receiver's rule, not this module's.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Annotated, Union
 
@@ -104,7 +105,9 @@ class LinkData(_Msg, tag="d"):
 
 class LinkCredit(_Msg, tag="c"):
     n: Count
-    """Messages the sender has read from this link in total."""
+    """Control-lane messages the sender has read from this link in total."""
+    b: Count = 0
+    """Bulk-lane bytes (as `aurora.protocol.link.bulk_size` counts them) the sender has read in total."""
 
 
 class LinkBeat(_Msg, tag="hb"):
@@ -113,7 +116,9 @@ class LinkBeat(_Msg, tag="hb"):
     s: Count
     """Heartbeat sequence number."""
     r: Count
-    """Read total, as in `LinkCredit`."""
+    """Control-lane read total, as in `LinkCredit`."""
+    rb: Count = 0
+    """Bulk-lane read total in bytes, as in `LinkCredit`."""
     n: Name | None = None
     """The sender's node name (a client's hello; with CurveZMQ its key decides, and must agree)."""
 
@@ -490,6 +495,24 @@ def decode_app(data: bytes | memoryview, buffers: Sequence[memoryview | bytes] =
         raise BadMessage(f"malformed message: {_reason(e)}") from None
     check_buffers(msg, buffers)
     return msg
+
+
+class Lane(enum.Enum):
+    """Which of a link's two lanes a message travels in (`aurora.protocol.link`): control messages
+    never wait behind bulk ones (docs/transport.md)."""
+
+    CONTROL = "control"
+    BULK = "bulk"
+
+
+BULK_MESSAGES: tuple[type[_Msg], ...] = (DeltaManifest, DeltaChunk, DeltaSeal, BulkFrame, BulkEnd, Probe)
+"""The bulk lane's messages: a version's stream (its seal after its chunks), a striped payload's frames
+and each stream's end after them, throughput probes. Everything else is control."""
+
+
+def lane_of(msg: _Msg) -> Lane:
+    """The lane ``msg`` travels in (both ends classify alike: order holds within a lane)."""
+    return Lane.BULK if isinstance(msg, BULK_MESSAGES) else Lane.CONTROL
 
 
 def check_buffers(msg: _Msg, buffers: Sequence[memoryview | bytes]) -> None:

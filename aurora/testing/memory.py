@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aurora.errors import TransportClosed
-from aurora.protocol.link import LinkTimings
+from aurora.protocol.link import DEFAULT_BULK_BYTES, LinkTimings
 from aurora.protocol.messages import LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
 from aurora.runtime.clock import Clock
 from aurora.transport.base import Message
@@ -40,11 +40,12 @@ class MemoryChannel(ChannelBase):
         window: int,
         max_frame_bytes: int,
         *,
+        bulk_bytes: int = DEFAULT_BULK_BYTES,
         timings: LinkTimings | None = None,
         clock: Clock | None = None,
         seed: int = 0,
     ) -> None:
-        super().__init__(peer, window, max_frame_bytes, timings=timings, clock=clock, seed=seed)
+        super().__init__(peer, window, max_frame_bytes, bulk_bytes=bulk_bytes, timings=timings, clock=clock, seed=seed)
         self.other: MemoryChannel | None = None
         self.heard_at: float | None = None
         """When a frame from the peer last arrived (on the channel's clock; None: none yet)."""
@@ -100,6 +101,7 @@ def memory_channel_pair(
     *,
     window: int = 64,
     max_frame_bytes: int = 64 * 1024 * 1024,
+    bulk_bytes: int = DEFAULT_BULK_BYTES,
     timings: LinkTimings | None = None,
     clock: Clock | None = None,
     seed: int = 0,
@@ -107,7 +109,7 @@ def memory_channel_pair(
     """Two connected channels: the first is ``a``'s end (its peer is ``b``), the second ``b``'s.
     ``timings``: heartbeats and loss on ``clock`` (see the module docstring); ``seed``: the ends'
     heartbeat jitter (``seed`` and ``seed + 1``)."""
-    ca = MemoryChannel(b, window, max_frame_bytes, timings=timings, clock=clock, seed=seed)
-    cb = MemoryChannel(a, window, max_frame_bytes, timings=timings, clock=clock, seed=seed + 1)
+    ca = MemoryChannel(b, window, max_frame_bytes, bulk_bytes=bulk_bytes, timings=timings, clock=clock, seed=seed)
+    cb = MemoryChannel(a, window, max_frame_bytes, bulk_bytes=bulk_bytes, timings=timings, clock=clock, seed=seed + 1)
     ca.other, cb.other = cb, ca
     return ca, cb

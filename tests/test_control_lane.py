@@ -1,0 +1,88 @@
+"""Control before bulk, in whole nodes (in-process, in-memory links): while a rollout's version stream
+waits on a long commit, its lease renewals still come back — the uplink reads the control lane in a
+reader of its own, which never waits on a commit (docs/transport.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import aurora.actors.flow as flow_module
+import pytest
+from aurora.actors.node import Node, run_node
+from structlog.testing import capture_logs
+
+from aurora.config.plan import plan
+from aurora.config.topology import load_topology
+from aurora.events import LEASE_EXPIRED, LEASE_GIVEN_UP, VERSION_COMMITTED
+from aurora.testing.links import LinkNet
+
+COMMIT_S = 4.0
+"""How long the rollout's commit of one version takes (several lease TTLs)."""
+TOPOLOGY = """
+name: lanes
+regions: [{name: local}]
+nodes:
+  - {name: trainer, role: trainer, region: local, listen: "mem://trainer"}
+  - {name: r1, role: rollout, region: local, parent: trainer}
+heartbeat: {interval_s: 0.2, suspect_after_s: 2.0, lost_after_s: 10.0}
+leases: {ttl_s: 1.5, prompts_per_lease: 2, batch_s: 1.0}
+learner: {kind: synthetic, params: 8000, tensors: 2, density: 0.05, interval_s: 1.0}
+engine: {kind: synthetic, max_new_tokens: 8, token_s: 0.5}
+run: {steps: 3}
+"""
+
+
+async def test_renewals_pass_while_the_version_stream_waits_on_a_long_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = flow_module._decode_and_apply
+    slowed: list[float] = []
+
+    def slow_commit(*args: Any) -> frozenset[str]:
+        if not slowed:  # the first delta commit: long, as a big model's is
+            slowed.append(time.monotonic())
+            time.sleep(COMMIT_S)
+        return real(*args)
+
+    monkeypatch.setattr(flow_module, "_decode_and_apply", slow_commit)
+    path = tmp_path / "lanes.yaml"
+    path.write_text(TOPOLOGY)
+    topo = load_topology(path)
+    tree = plan(topo, str(path))
+    net = LinkNet()
+    nodes: dict[str, Node] = {}
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        tasks = [
+            asyncio.create_task(
+                run_node(
+                    topo,
+                    tree,
+                    n,
+                    stop,
+                    transport=net.transport(n, bind=topo.node(n).listen),
+                    observe=lambda node, n=n: nodes.__setitem__(n, node),
+                )
+            )
+            for n in ("trainer", "r1")
+        ]
+        try:
+            async with asyncio.timeout(60):
+                while not (nodes.get("r1") and nodes["r1"].flow.version == 3):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            for t in tasks:
+                with contextlib.suppress(Exception):
+                    await t
+    assert slowed, "no delta was committed"
+    committed = [e["version"] for e in logs if e["event"] == VERSION_COMMITTED and e.get("node") == "r1"]
+    assert committed == [0, 1, 2, 3]
+    assert not [e for e in logs if e["event"] == LEASE_EXPIRED], "the trainer saw a lease run out"
+    v2 = next(i for i, e in enumerate(logs) if e["event"] == VERSION_COMMITTED and e.get("version") == 2)
+    lost = [e for e in logs[:v2] if e["event"] == LEASE_GIVEN_UP]
+    assert not lost, f"the worker gave up leases while the commit ran: {lost}"
