@@ -23,7 +23,11 @@ Wire messages (`aurora.protocol.messages`; buffers carry the bytes):
   carries its seal in the manifest message instead);
 * `Have` {v} — from a child: the version it now holds.
 
-The router sees a streamed delta of n chunks as n + 1 pieces: the seal is the last.
+The router sees a streamed delta of n chunks as n + 1 pieces: the seal is the last. What a node
+accepts of its parent's stream — which manifest may begin, which chunk or seal is in place, when a
+delta is streamed on, complete and finished, what its seal must still prove — is the sans-IO
+`aurora.protocol.intake.Intake`; `on_parent_message` checks the bytes (codec, seal signature) and
+carries out what the machine says.
 
 Invariants: a node applies a delta only onto the version it was made from (or a
 snapshot onto anything), so versions only move forward, one verified commit at a
@@ -67,7 +71,7 @@ from aurora.codec import Weights
 from aurora.codec.decoder import DeltaReceiver, blank_weights
 from aurora.codec.encoder import EncodeStats, encode, encode_stream
 from aurora.codec.format import Manifest, pack_manifest, unpack_manifest
-from aurora.errors import AuthError, DeltaFormatError, ProtocolError, StoreError, TransportClosed
+from aurora.errors import AuthError, ProtocolError, StoreError, TransportClosed
 from aurora.events import (
     ANCHOR_NOT_WRITTEN,
     CATCH_UP_SENT,
@@ -76,6 +80,17 @@ from aurora.events import (
     VERSION_COMMITTED,
     VERSION_PUBLISHED,
 )
+from aurora.protocol.intake import (
+    Abandon,
+    Announced,
+    Begin,
+    DecodeAhead,
+    Finish,
+    Forward,
+    Intake,
+    TimeLink,
+)
+from aurora.protocol.intake import Command as IntakeCommand
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
 from aurora.protocol.routing import (
     CatchUp,
@@ -197,6 +212,8 @@ class VersionFlow:
         anchor every ``store.anchor_every`` of them: `aurora.store.anchors`), so a restarted node
         resumes from it and a child far behind gets one composed delta instead of a chain or a snapshot."""
         self.router = VersionRouter(version)
+        self.intake = Intake(name, version, authenticates=self.verifier.authenticates, held_sealed=seal is not None)
+        """What this node accepts of its parent's version stream (`aurora.protocol.intake`)."""
         self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
         self._incoming: _Incoming | None = None
@@ -414,19 +431,20 @@ class VersionFlow:
     async def on_parent_message(self, msg: Message) -> int | None:
         """Feed one version-stream message from the parent; returns the version just committed, if
         any. Raises `DeltaFormatError`, `AuthError` or `ProtocolError` for what the parent got wrong
-        (nothing changes then; the caller leaves that parent)."""
+        (nothing changes then; the caller leaves that parent). The rules are `Intake`'s; this
+        carries out what it says."""
         m = msg.msg
         self.bytes_in += sum(len(b) for b in msg.buffers)
         if isinstance(m, DeltaManifest):
-            self._begin(m, bytes(msg.buffers[0]))
-            inc = self._incoming
-            if inc is not None and inc.receiver.complete and (inc.seal is not None or not inc.streamed):
-                return await self._finish(inc)  # a delta with no chunks (nothing changed) is done already
-            return None
+            return await self._run(self._begin(m, bytes(msg.buffers[0])))
         if isinstance(m, DeltaChunk):
             return await self._chunk(m.target, m.i, bytes(msg.buffers[0]))
         if isinstance(m, DeltaSeal):
-            return await self._sealed(m.target, m.seal)
+            inc = self._incoming
+            self.intake.seal_in_place(m.target)
+            assert inc is not None
+            inc.seal = (self._open(m.seal, inc.manifest), m.seal)
+            return await self._run(self.intake.sealed(m.target))
         raise ProtocolError(f"{self.name}: {type(m).__name__} is not part of a version stream", remote=True)
 
     def parent_lost(self, *, left: bool = False) -> None:
@@ -434,21 +452,45 @@ class VersionFlow:
         ``left``: the node left that parent (the rate it timed that link at goes with it)."""
         if left:
             self.link_mbit = None
-        inc, self._incoming = self._incoming, None
-        if inc is not None:
-            self._abandon(inc)
+        self._abandon(self.intake.parent_lost())
 
-    def _abandon(self, inc: _Incoming) -> None:
+    def _abandon(self, commands: list[IntakeCommand]) -> None:
         """Forget a delta that will not be committed: its history entry, its routing, what is queued of it."""
-        if not inc.streamed:
-            return
-        target = inc.manifest.target_version
-        self.history.pop(target, None)
-        self.router.delta_abandoned(target)
-        for box in self.outboxes.values():
-            box.queue = deque(
-                c for c in box.queue if not (isinstance(c, SendChunk | SendManifest) and _target(c) == target)
-            )
+        for cmd in commands:
+            assert isinstance(cmd, Abandon), cmd
+            if self._incoming is not None and self._incoming.manifest.target_version == cmd.target:
+                self._incoming = None
+            if not cmd.streamed:
+                continue
+            self.history.pop(cmd.target, None)
+            self.router.delta_abandoned(cmd.target)
+            for box in self.outboxes.values():
+                box.queue = deque(
+                    c for c in box.queue if not (isinstance(c, SendChunk | SendManifest) and _target(c) == cmd.target)
+                )
+
+    async def _run(self, commands: list[IntakeCommand]) -> int | None:
+        """Carry out `Intake`'s commands in order; the version committed if one was."""
+        committed = None
+        for cmd in commands:
+            inc = self._incoming
+            if isinstance(cmd, Abandon):
+                self._abandon([cmd])
+            elif isinstance(cmd, Forward):
+                assert inc is not None
+                self.router.chunk_arrived(cmd.target, cmd.piece)
+                self._dispatch(self.router.commands())
+            elif isinstance(cmd, DecodeAhead):
+                assert inc is not None
+                if self._tg is not None and (inc.decoding is None or inc.decoding.done()):
+                    inc.decoding = self._tg.create_task(self._decode_ahead(inc))
+            elif isinstance(cmd, TimeLink):
+                assert inc is not None
+                self._time_link(inc)
+            elif isinstance(cmd, Finish):
+                assert inc is not None
+                committed = await self._finish(inc)
+        return committed
 
     def _open(self, wire: SealWire, m: Manifest) -> Seal:
         """A seal, checked against its signature, the manifest, and the run of the version held."""
@@ -464,64 +506,50 @@ class VersionFlow:
                 )
         return seal
 
-    def _begin(self, h: DeltaManifest, packed: bytes) -> None:
+    def _begin(self, h: DeltaManifest, packed: bytes) -> list[IntakeCommand]:
         # refused before it is parsed where that can be known: a first version without its seal, or a
         # manifest whose tensor count is not that of the weights held (parsing costs O(manifest bytes))
-        if self.weights is None and h.seal is None and self.verifier.authenticates:
+        if self.intake.refuses_unparsed(h.seal is not None):
             raise AuthError(f"{self.name}: a first version must come with its seal")
         m = unpack_manifest(packed, tensors=None if self.weights is None else len(self.weights))
-        if m.target_version != h.target or m.base_version != h.base or m.n_chunks != h.n:
-            raise ProtocolError(f"{self.name}: a manifest message that does not match its manifest", remote=True)
-        if not m.is_snapshot and m.base_version != self.version:
-            raise ProtocolError(
-                f"{self.name}: parent sent a delta from version {m.base_version}, this node holds {self.version}",
-                remote=True,
-            )
-        if self.version is not None and m.target_version <= self.version:
-            raise ProtocolError(
-                f"{self.name}: parent sent version {m.target_version}, this node holds {self.version} already",
-                remote=True,
-            )
-        sealed = None if h.seal is None else (self._open(h.seal, m), h.seal)
         # nothing is allocated for a manifest before its layout is known to be the right one
-        if self.weights is not None:
-            if manifest_layout(m) != weights_layout(self.weights):
-                raise DeltaFormatError(
-                    f"{self.name}: the parent's version {m.target_version} has another layout "
-                    "(tensor names, dtypes or shapes) than the weights held"
-                )
-        elif sealed is None and self.verifier.authenticates:
-            raise AuthError(f"{self.name}: a first version must come with its seal")
-        self.parent_lost()  # whatever was half-received before is superseded
-        # the next version (a delta, or a snapshot of the full-weight baseline) is forwarded chunk by chunk
-        streamed = self.version is not None and m.target_version == self.version + 1 and sealed is None
-        self._incoming = _Incoming(
-            m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), streamed, sealed, began=self.clock.now()
+        fits = self.weights is None or manifest_layout(m) == weights_layout(self.weights)
+        announced = Announced(
+            target=m.target_version,
+            base=None if m.is_snapshot else m.base_version,
+            n_chunks=m.n_chunks,
+            header_target=h.target,
+            header_base=h.base,
+            header_n=h.n,
+            sealed=h.seal is not None,
+            layout_fits=fits,
         )
-        if streamed:
+        if h.seal is not None and fits:  # its signature, before anything is begun
+            sealed: tuple[Seal, SealWire] | None = (self._open(h.seal, m), h.seal)
+        else:
+            sealed = None
+        commands = self.intake.manifest(announced)
+        begin = next(c for c in commands if isinstance(c, Begin))
+        self._abandon([c for c in commands if isinstance(c, Abandon)])
+        self._incoming = _Incoming(
+            m, DeltaReceiver(m), DeltaHasher(packed, m.n_chunks), begin.streamed, sealed, began=self.clock.now()
+        )
+        if begin.streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
             self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks + 1))
+        return [c for c in commands if not isinstance(c, Abandon | Begin)]
 
     async def _chunk(self, target: int, i: int, data: bytes) -> int | None:
+        self.intake.chunk_in_place(target, i)
         inc = self._incoming
-        if inc is None or inc.manifest.target_version != target or not 0 <= i < inc.manifest.n_chunks:
-            raise ProtocolError(f"{self.name}: chunk {i} of version {target} was not announced", remote=True)
+        assert inc is not None
         inc.receiver.add(data)  # verified here; a bad chunk raises and nothing changes
         t = time.perf_counter()
         inc.hasher.add(i, data)
         inc.hash_s += time.perf_counter() - t
         if inc.streamed:
-            stored = self.history[target]
-            stored.chunks[i] = data
-            self.router.chunk_arrived(target, i)
-            self._dispatch(self.router.commands())
-        if inc.receiver.complete:
-            self._time_link(inc)
-        elif self._tg is not None and not inc.manifest.is_snapshot and (inc.decoding is None or inc.decoding.done()):
-            inc.decoding = self._tg.create_task(self._decode_ahead(inc))
-        if inc.receiver.complete and (inc.seal is not None or not inc.streamed):
-            return await self._finish(inc)  # a streamed delta waits for its seal, which follows
-        return None
+            self.history[target].chunks[i] = data
+        return await self._run(self.intake.chunk_added(target, i))
 
     def _time_link(self, inc: _Incoming) -> None:
         """A bulk transfer just ended: the parent link's rate, if it was big enough to time."""
@@ -556,36 +584,24 @@ class VersionFlow:
         try:
             return await self._verify_and_commit(inc)
         except BaseException:
-            if self._incoming is inc:
-                self._incoming = None
-            self._abandon(inc)
+            if self.intake.receiving == inc.manifest.target_version:
+                self._abandon(self.intake.failed())
             raise
 
     async def _verify_and_commit(self, inc: _Incoming) -> int:
-        m, target = inc.manifest, inc.manifest.target_version
-        if inc.seal is None:
-            if self.verifier.authenticates:
-                raise AuthError(f"{self.name}: version {target} came without a seal")
-            return await self._commit(inc, None, False, False, 0.0)
-        seal, wire = inc.seal
         t = time.perf_counter()
-        trusted_bytes = seal.delta is not None and seal.delta == inc.hasher.digest()
-        t -= inc.hash_s  # the chunks' hashing counts too
-        if inc.streamed and not trusted_bytes:  # what streams is the trainer's own bytes, or nothing
-            raise AuthError(f"{self.name}: the streamed delta to version {target} is not the one the trainer sealed")
-        if trusted_bytes and not m.is_snapshot and seal.base != m.base_version:
-            raise AuthError(
-                f"{self.name}: version {target}'s seal is for a delta from {seal.base}, not {m.base_version}"
-            )
-        check_state = self.verifier.authenticates and not trusted_bytes
-        if not check_state and self.verifier.authenticates and not m.is_snapshot and self.seal is None:
-            raise AuthError(f"{self.name}: holds version {self.version} unsealed; a delta onto it proves nothing")
-        verify_s = time.perf_counter() - t
-        if inc.streamed:  # checked: the seal follows the chunks down the tree at once
-            self.history[target].seal = wire
-            self.router.chunk_arrived(target, m.n_chunks)
+        seal = None if inc.seal is None else inc.seal[0]
+        trusted_bytes = seal is not None and seal.delta is not None and seal.delta == inc.hasher.digest()
+        trust = self.intake.trust(
+            has_seal=seal is not None, bytes_sealed=trusted_bytes, seal_base=None if seal is None else seal.base
+        )
+        verify_s = time.perf_counter() - t + (inc.hash_s if seal is not None else 0.0)  # the chunks' hashing counts
+        wire = None if inc.seal is None else inc.seal[1]
+        if trust.forward is not None:  # checked: the seal follows the chunks down the tree at once
+            self.history[trust.forward.target].seal = wire
+            self.router.chunk_arrived(trust.forward.target, trust.forward.piece)
             self._dispatch(self.router.commands())
-        return await self._commit(inc, wire, trusted_bytes, check_state, verify_s)
+        return await self._commit(inc, wire, trusted_bytes, trust.check_state, verify_s)
 
     async def _commit(
         self, inc: _Incoming, wire: SealWire | None, trusted_bytes: bool, check_state: bool, verify_s: float
@@ -611,6 +627,7 @@ class VersionFlow:
                     _decode_and_apply, inc.receiver, self.weights, check, self.threads
                 )
             self.version, self.digest, self.seal = target, m.target_digest, wire
+            self.intake.committed(target, sealed=wire is not None)
         self._incoming = None
         if cancelled:
             raise asyncio.CancelledError
