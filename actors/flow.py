@@ -214,14 +214,14 @@ class VersionFlow:
         self.router = VersionRouter(version)
         self.intake = Intake(name, version, authenticates=self.verifier.authenticates, held_sealed=seal is not None)
         """What this node accepts of its parent's version stream (`aurora.protocol.intake`)."""
-        self.children: dict[str, Channel] = {}
         self.history: OrderedDict[int, _Stored] = OrderedDict()  # target version -> delta from target-1
         self._incoming: _Incoming | None = None
         self._hashes: dict[str, bytes] = {}
         """The trainer: BLAKE3 of each tensor of the version held (reused for tensors a step left alone)."""
-        self.outboxes: dict[str, _Outbox] = {}
-        """Per child, what the router asked to send it, in order: drained by that child's own task
-        (`serve_child`), so a slow or stuck child holds up nobody else."""
+        self.children: dict[str, _Outbox] = {}
+        """The attached children — the node's one table of them: each one's channel and what the router
+        asked to send it, in order, drained by that child's own task (`serve_child`), so a slow or stuck
+        child holds up nobody else."""
         self._unreadable: set[int] = set()
         """Stored versions a composed catch-up could not read (corrupt): never composed from again."""
         self._served: OrderedDict[tuple[int | None, int], tuple[bytes, tuple[bytes, ...]]] = OrderedDict()
@@ -259,15 +259,22 @@ class VersionFlow:
     # -- children
     def add_child(self, ch: Channel, version: int | None) -> None:
         """Attach a child; what it is to be sent goes to its outbox, which `serve_child` drains."""
-        self.children[ch.peer] = ch
-        self.outboxes[ch.peer] = _Outbox(ch)
+        self.children[ch.peer] = _Outbox(ch)
         self.router.child_attached(ch.peer, version)
         self._dispatch(self.router.commands())
 
     def remove_child(self, peer: str) -> None:
         self.children.pop(peer, None)
-        self.outboxes.pop(peer, None)
         self.router.child_detached(peer)
+
+    def channel(self, peer: str) -> Channel | None:
+        """The channel of attached child ``peer`` (None: not attached)."""
+        box = self.children.get(peer)
+        return None if box is None else box.ch
+
+    def channels(self) -> list[Channel]:
+        """Every attached child's channel."""
+        return [box.ch for box in self.children.values()]
 
     def on_child_version(self, peer: str, version: int) -> None:
         self.router.child_version(peer, version)
@@ -276,8 +283,8 @@ class VersionFlow:
     async def serve_child(self, ch: Channel) -> None:
         """Send ``ch``'s outbox until the channel closes (then returns). Run by the task that serves
         that child, so what the child does (stop reading, vanish) stalls only this coroutine."""
-        box = self.outboxes.get(ch.peer)
-        while box is not None and self.outboxes.get(ch.peer) is box and not ch.closed:
+        box = self.children.get(ch.peer)
+        while box is not None and self.children.get(ch.peer) is box and not ch.closed:
             if not box.queue:
                 box.wake.clear()
                 await wait_first(box.wake.wait(), ch.wait_closed())
@@ -464,7 +471,7 @@ class VersionFlow:
                 continue
             self.history.pop(cmd.target, None)
             self.router.delta_abandoned(cmd.target)
-            for box in self.outboxes.values():
+            for box in self.children.values():
                 box.queue = deque(
                     c for c in box.queue if not (isinstance(c, SendChunk | SendManifest) and _target(c) == cmd.target)
                 )
@@ -661,7 +668,7 @@ class VersionFlow:
         what waits for it is of a version the history no longer holds, or past `MAX_QUEUED` messages —
         has its channel closed (it reconnects and catches up)."""
         for cmd in commands:
-            box = self.outboxes.get(cmd.child)
+            box = self.children.get(cmd.child)
             if box is None:
                 continue
             head = box.queue[0] if box.queue else None
@@ -884,7 +891,7 @@ class VersionFlow:
             # full weights each: only the newest are worth their memory, and those still going out
             queued = {
                 _target(c)
-                for box in self.outboxes.values()
+                for box in self.children.values()
                 for c in box.queue
                 if isinstance(c, SendChunk | SendManifest)
             }

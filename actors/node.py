@@ -319,20 +319,11 @@ class Node:
         """Who may attach where, and whom a child speaks for."""
         self.place = membership.Place(name, self.rules)
         """Where this node sits (its path; None while detached) and the parents it holds in quarantine."""
-        self.children: dict[str, Channel] = {}
-        """The attached children's channels."""
         self._parent: Channel | None = None
         self._parent_moved = asyncio.Event()
         self.verifier = SealVerifier(self.keys.verifier)
-        self.flow = VersionFlow(
-            name,
-            None,
-            None,
-            full_weights=topo.sync.full_weights,
-            verifier=self.verifier,
-            threads=threads,
-            clock=self.clock,
-        )
+        self.flow: VersionFlow
+        """The node's versions: built once, by `open_trainer` or `open_store`, from what the node starts with."""
         self.routes = Routes()
         self.pool: WorkPool | None = None
         self.board = WorkBoard()
@@ -392,17 +383,11 @@ class Node:
             version = latest
             await in_thread(learner.restore, weights, version)
             log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
-        self.flow = VersionFlow(
-            self.name,
+        self.flow = self._flow(
             weights,
             version,
-            full_weights=self.topo.sync.full_weights,
-            store=self.store,
             sealer=sealer,
-            verifier=self.verifier,
-            threads=self.threads,
             coding=CodingPolicy.of(self.topo, self.tree, lambda: self.status.slowest_link(self.clock.now())),
-            clock=self.clock,
         )
         seal = await in_thread(self.flow.first_seal)
         if self.store is not None and latest is None:
@@ -429,37 +414,42 @@ class Node:
 
     async def open_store(self, store: Path | None) -> None:
         """A relay's or rollout's store: resume from its newest usable version (then catch up from the
-        parent). A version that is unreadable, or whose seal does not verify, is skipped and logged."""
-        if store is None:
-            return
-        self.store = DeltaStore(store)
-        for v in reversed(self.store.versions()):
-            try:
-                weights, seal = await in_thread(self._resume_from, v)
-            except (StoreError, AuthError) as e:
-                log.warning(STORE_VERSION_UNUSABLE, version=v, store=str(store), error=str(e))
-                continue
-            log.info(NODE_RESUMED, version=v, store=str(store), digest=weights.digest().hex()[:16])
-            self.flow = VersionFlow(
-                self.name,
-                weights,
-                v,
-                full_weights=self.topo.sync.full_weights,
-                store=self.store,
-                verifier=self.verifier,
-                seal=seal,
-                threads=self.threads,
-                clock=self.clock,
-            )
-            return
-        self.flow = VersionFlow(
+        parent). A version that is unreadable, or whose seal does not verify, is skipped and logged.
+        Without a store, or with none usable, the node starts holding nothing."""
+        if store is not None:
+            self.store = DeltaStore(store)
+            for v in reversed(self.store.versions()):
+                try:
+                    weights, seal = await in_thread(self._resume_from, v)
+                except (StoreError, AuthError) as e:
+                    log.warning(STORE_VERSION_UNUSABLE, version=v, store=str(store), error=str(e))
+                    continue
+                log.info(NODE_RESUMED, version=v, store=str(store), digest=weights.digest().hex()[:16])
+                self.flow = self._flow(weights, v, seal=seal)
+                return
+        self.flow = self._flow(None, None)
+
+    def _flow(
+        self,
+        weights: Weights | None,
+        version: int | None,
+        *,
+        seal: Any = None,
+        sealer: Sealer | None = None,
+        coding: CodingPolicy | None = None,
+    ) -> VersionFlow:
+        """The node's `VersionFlow`, from what it starts with (the one place it is built)."""
+        return VersionFlow(
             self.name,
-            None,
-            None,
+            weights,
+            version,
             full_weights=self.topo.sync.full_weights,
             store=self.store,
+            sealer=sealer,
             verifier=self.verifier,
+            seal=seal,
             threads=self.threads,
+            coding=coding,
             clock=self.clock,
         )
 
@@ -527,11 +517,11 @@ class Node:
     async def down(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
         worker = getattr(msg, "w", None)
         child = None if worker is None else self.routes.child_for(worker)
-        return await send_or_drop(None if child is None else self.children.get(child), msg, buffers)
+        return await send_or_drop(None if child is None else self.flow.channel(child), msg, buffers)
 
     async def tell_children(self, update: PathUpdate) -> None:
         """Send every attached child this node's new path."""
-        for ch in list(self.children.values()):
+        for ch in self.flow.channels():
             with contextlib.suppress(TransportClosed):
                 await ch.send(update)
 
@@ -650,10 +640,8 @@ async def _child(node: Node, ch: Channel) -> None:
         with contextlib.suppress(TransportClosed):
             await ch.close(f"failed while serving this child: {type(e).__name__}")
     finally:
-        if node.flow.children.get(ch.peer) is ch:
+        if node.flow.channel(ch.peer) is ch:
             node.flow.remove_child(ch.peer)
-        if node.children.get(ch.peer) is ch:
-            del node.children[ch.peer]
 
 
 async def _serve_child(node: Node, ch: Channel) -> None:
@@ -683,7 +671,6 @@ async def _serve_child(node: Node, ch: Channel) -> None:
     if hello.probe:
         await ch.close("probe answered")
         return
-    node.children[ch.peer] = ch
     log.info(CHILD_ATTACHED, child=ch.peer, version=hello.v)
     flow.add_child(ch, hello.v)
     with unwrap_group():
@@ -711,7 +698,7 @@ async def _from_child(node: Node, ch: Channel) -> None:
             if not node.place.speaks_for_worker(ch.peer, m.w):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for worker {m.w!r}, which it does not speak for")
                 continue
-            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want), open_children=node.children):
+            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want), open_children=node.flow.children):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.w!r}, whose work goes through another child")
                 continue
             if coordinator is not None:

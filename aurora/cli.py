@@ -618,7 +618,11 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     results = run(plan, versions=args.versions, progress=lambda m: print(m, flush=True))
     print(table(results))
     if args.json:
-        _write_json(args.json, json.dumps([asdict(r) | {"ratio": r.ratio} for r in results], indent=1))
+        rows = [
+            asdict(r) | {"ratio": r.ratio, "renew_p50_ms": r.renew_p50_ms, "renew_p99_ms": r.renew_p99_ms}
+            for r in results
+        ]
+        _write_json(args.json, json.dumps(rows, indent=1))
     return 0
 
 

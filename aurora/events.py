@@ -71,6 +71,9 @@ RESULT_SENT = "result_sent"
 LEASE_GIVEN_UP = "lease_given_up"
 """A rollout gave up a lease — one it could not renew in time, or held when its worker restarted (then
 with ``reason``): ``item``, ``token``."""
+LEASE_RENEWED = "lease_renewed"
+"""A worker's renewal came back: ``leases`` renewed, ``rtt_ms`` from its `Renew` to this `Renewed` (what
+`aurora bench sync` reports as the renewal latency under load)."""
 LEASE_EXPIRED = "lease_expired"
 """The trainer let a lease expire: ``worker``, ``item``, ``token``."""
 

@@ -68,7 +68,7 @@ async def _forged_send_one(self: flow.VersionFlow, ch: Channel, cmd: flow.Comman
         manifest, chunks = _forged[cmd.delta.target]
         await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(chunks)), manifest)
     elif isinstance(cmd, SendChunk):
-        stored = self.history[cmd.target]
+        stored = self._held(cmd.target)  # GoneFromHistory: the child fell behind, as in the real relay
         if cmd.index == len(stored.chunks):
             assert stored.seal is not None
             await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))

@@ -280,12 +280,12 @@ async def test_the_history_keeps_two_snapshots_but_none_still_going_out() -> Non
 
     flow = VersionFlow("relay", _model(), 0)
     down, _up = memory_channel_pair("relay", "rollout-0")
-    flow.outboxes["rollout-0"] = _Outbox(down)
-    flow.outboxes["rollout-0"].queue.append(SendChunk("rollout-0", 1, 0))
+    flow.children["rollout-0"] = _Outbox(down)
+    flow.children["rollout-0"].queue.append(SendChunk("rollout-0", 1, 0))
     for v in range(1, 5):
         flow._remember(v, _Stored(b"m", [b"c"], snapshot=True))
     assert list(flow.history) == [1, 3, 4]  # 2 dropped; 1 kept while its chunk waits to go out
-    flow.outboxes["rollout-0"].queue.clear()
+    flow.children["rollout-0"].queue.clear()
     flow._remember(5, _Stored(b"m", [b"c"], snapshot=True))
     assert list(flow.history) == [4, 5]
 

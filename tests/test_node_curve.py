@@ -224,7 +224,7 @@ async def test_a_rollouts_key_cannot_pose_as_a_relay_nor_attach_where_the_topolo
             await honest.close()
             # the real relay stayed attached throughout
             assert seen["relay-a"].place.path == ("trainer",)
-            assert "relay-a" in seen["trainer"].children
+            assert "relay-a" in seen["trainer"].flow.children
             stop.set()
         assert all(r.done() for r in runs)
     assert any(e["event"] == BAD_FRAME and "sent heartbeats as 'relay-a'" in e["reason"] for e in logs)

@@ -24,6 +24,9 @@ from aurora.events import PARENT_ATTACHED, PARENT_FAILED, VERSION_COMMITTED, VER
 from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
+STEPS = 30
+"""Versions the trainer publishes (one every 0.3 s): the run outlasts the tampering relay's start-up on a
+loaded machine (its children try it, their planned parent, until it answers), so they commit several."""
 
 
 def _topology(tmp: Path) -> Path:
@@ -40,7 +43,7 @@ nodes:
 keys: {{dir: keys}}
 heartbeat: {{interval_s: 0.1, suspect_after_s: 0.3, lost_after_s: 0.6}}
 learner: {{kind: synthetic, params: 20000, tensors: 2, density: 0.05, interval_s: 0.3}}
-run: {{steps: 12}}
+run: {{steps: {STEPS}}}
 """)
     list(generate_topology_keys(load_topology(path), str(path)))
     return path
@@ -80,14 +83,14 @@ async def test_children_of_a_tampering_relay_refuse_its_versions_and_end_bit_ide
         ]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(120):
-                while not all(n in nodes and nodes[n].flow.version == 12 for n in ("trainer", "r1", "r2")):  # noqa: ASYNC110
+                while not all(n in nodes and nodes[n].flow.version == STEPS for n in ("trainer", "r1", "r2")):  # noqa: ASYNC110
                     await asyncio.sleep(0.1)
         stop.set()
         await asyncio.gather(*tasks)
     relay_log = (tmp_path / "relay.log").read_text()
     assert '"parent_attached"' in relay_log  # the relay itself ran, attached to the trainer, and served
     for r in ("r1", "r2"):
-        assert nodes[r].flow.version == 12, f"{r} did not reach the last version"
+        assert nodes[r].flow.version == STEPS, f"{r} did not reach the last version"
         assert nodes[r].flow.digest == nodes["trainer"].flow.digest
     published = {e["version"]: e["digest"] for e in logs if e["event"] == VERSION_PUBLISHED}
     commits = [e for e in logs if e["event"] == VERSION_COMMITTED and e["version"] in published]

@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from aurora.codec.warm import warm_up
 from aurora.config.rl import SyntheticSpec
 from aurora.config.topology import load_topology
 from aurora.errors import AuroraError
-from aurora.events import NODE_STARTED, PARENT_ATTACHED, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.events import LEASE_RENEWED, NODE_STARTED, PARENT_ATTACHED, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.rl.learners.synthetic import SyntheticLearner
 from aurora.runtime.processes import end_groups, group_cpu_s, node_argv, peak_rss_bytes, pss_bytes
@@ -58,6 +58,10 @@ LINK_MBIT = 100.0
 LINK_RTT_MS = 50.0
 LAN_RTT_MS = 0.5
 START_TIMEOUT_S = 180.0
+RENEW_TTL_S = 4.0
+"""The rollouts' lease TTL: a held lease is renewed every 2 s, so each timed version sees renewals."""
+WORK_TOKEN_S = 0.5
+"""The synthetic engine's seconds per token position: a batch takes 8 s, several renewals long."""
 
 
 KINDS = ("full-star", "full-tree", "delta-star", "delta-tree")
@@ -105,6 +109,19 @@ class Result:
     """The most resident memory one node held (its peak, MB)."""
     peak_sum_mb: float = 0.0
     """The most memory all nodes held at once (MB; their Pss added up, sampled every 0.5 s)."""
+    renew_ms: list[float] = field(default_factory=list)
+    """Every rollout's lease renewals while versions were timed: `Renew` to `Renewed`, ms."""
+
+    @property
+    def renew_p50_ms(self) -> float | None:
+        return statistics.median(self.renew_ms) if self.renew_ms else None
+
+    @property
+    def renew_p99_ms(self) -> float | None:
+        if not self.renew_ms:
+            return None
+        ranked = sorted(self.renew_ms)
+        return ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))]
 
     @property
     def ratio(self) -> float:
@@ -144,6 +161,10 @@ def topology(c: Config, *, interval_s: float, steps: int) -> str:
             "keys: {dir: keys}",  # the nodes listen on the emulator's private addresses: authenticated, signed
             f"learner: {{kind: synthetic, params: {c.params}, tensors: 8, density: {c.density}, interval_s: {interval_s}}}",
             f"sync: {{full_weights: {'true' if c.full else 'false'}, coding: {c.coding}}}",
+            # leased work on every rollout (a synthetic engine: no model), so lease renewals cross the WAN
+            # beside the versions and their latency is measured (RENEW_TTL_S: a renewal every half TTL)
+            f"engine: {{kind: synthetic, max_new_tokens: 16, token_s: {WORK_TOKEN_S:g}}}",
+            f"leases: {{ttl_s: {RENEW_TTL_S:g}, prompts_per_lease: 2, batch_s: 2.0}}",
             f"run: {{steps: {steps}}}",
             "",
         ]
@@ -270,6 +291,9 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         cpu0, n0 = cl.cpu_s(), len(cl.events("trainer", VERSION_PUBLISHED))
         cl.wait(lambda: len(timed()) >= versions, (versions + 2) * (interval + 2 * est + 30), f"{versions} versions")
         cpu_per_version = (cl.cpu_s() - cpu0) / max(1, len(cl.events("trainer", VERSION_PUBLISHED)) - n0)
+        renew_ms = [
+            float(e["rtt_ms"]) for n, _ in rollouts for e in cl.events(n, LEASE_RENEWED) if event_time(e) > ready
+        ]
         counted = list(timed().values())[:versions]
         nbytes = int(statistics.median(b for b, _ in counted))
         secs = statistics.median(t for _, t in counted)
@@ -292,6 +316,7 @@ def measure(hosts: dict[str, Host], c: Config, work: Path, *, versions: int, pro
         dec,
         max(peaks, default=0.0),
         cl.peak_total_mb,
+        renew_ms,
     )
 
 
@@ -352,7 +377,8 @@ def run(plan: list[Config], *, versions: int = 3, progress: Callable[[str], None
             progress(
                 f"    {r.seconds * 1e3:.0f} ms (lower bound {r.lower_bound_s * 1e3:.0f} ms, floor {r.floor_s * 1e3:.0f} ms), "
                 f"{r.bytes / 1e6:.2f} MB per version; peak memory {r.peak_node_mb:.0f} MB in one node, "
-                f"{r.peak_sum_mb:.0f} MB all nodes at once"
+                f"{r.peak_sum_mb:.0f} MB all nodes at once; lease renewal {_ms(r.renew_p50_ms)} ms median, "
+                f"{_ms(r.renew_p99_ms)} ms p99 ({len(r.renew_ms)} renewals)"
             )
     return results
 
@@ -363,7 +389,7 @@ def table(results: list[Result]) -> str:
     head = (
         f"{'params':>7} {'density':>7}  {'config':<{width}} {'nodes':>5} {'MB/version':>10} {'time ms':>8} "
         f"{'bound ms':>8} {'ratio':>5} {'floor ms':>8} {'vs full star':>12}  {'CPU s/version':>13} {'enc ms':>6} "
-        f"{'dec ms':>6} {'peak MB':>8} {'all MB':>7}"
+        f"{'dec ms':>6} {'peak MB':>8} {'all MB':>7} {'renew p50':>9} {'renew p99':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -376,7 +402,8 @@ def table(results: list[Result]) -> str:
             f"{r.config.params / 1e6:>6g}M {density:>7}  {r.config.name:<{width}} {r.config.nodes + 1:>5} "
             f"{r.bytes / 1e6:>10.3f} {r.seconds * 1e3:>8.0f} {r.lower_bound_s * 1e3:>8.0f} {r.ratio:>5.2f} "
             f"{r.floor_s * 1e3:>8.0f} {vs}  {r.cpu_s:>13.2f} {r.encode_s * 1e3:>6.0f} "
-            f"{r.decode_s * 1e3:>6.0f} {r.peak_node_mb:>8.0f} {r.peak_sum_mb:>7.0f}"
+            f"{r.decode_s * 1e3:>6.0f} {r.peak_node_mb:>8.0f} {r.peak_sum_mb:>7.0f} "
+            f"{_ms(r.renew_p50_ms):>9} {_ms(r.renew_p99_ms):>9}"
         )
     lines.append(
         f"CPU s/version: all nodes' CPU per version while timed, on this host's {cores} cores; enc/dec: one "
@@ -384,6 +411,14 @@ def table(results: list[Result]) -> str:
     )
     lines.append(
         "peak MB: the most resident memory one node held; all MB: the most all nodes held at once "
-        "(their proportional set sizes added up, sampled every 0.5 s)."
+        "(their proportional set sizes added up, sampled every 0.5 s);"
+    )
+    lines.append(
+        "renew p50/p99: ms from a rollout's lease renewal to its answer, every rollout, while the versions were "
+        "timed (work and control messages travel in a lane of their own: docs/transport.md)."
     )
     return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
