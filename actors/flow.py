@@ -23,7 +23,7 @@ Wire messages (`aurora.protocol.messages`; buffers carry the bytes):
   carries its seal in the manifest message instead);
 * `Have` {v} — from a child: the version it now holds.
 
-The router sees a streamed delta of n chunks as n + 1 pieces: the seal is the last. What a node
+The router streams a delta's chunks, then its seal (`SendSeal`) once this node has checked it. What a node
 accepts of its parent's stream — which manifest may begin, which chunk or seal is in place, when a
 delta is streamed on, complete and finished, what its seal must still prove — is the sans-IO
 `aurora.protocol.intake.Intake`; `on_parent_message` checks the bytes (codec, seal signature) and
@@ -101,6 +101,7 @@ from aurora.protocol.routing import (
     SendCatchUp,
     SendChunk,
     SendManifest,
+    SendSeal,
     VersionRouter,
     choose_catch_up,
 )
@@ -322,7 +323,7 @@ class VersionFlow:
         stored = _Stored(packed, [None] * n, m.is_snapshot)
         hasher = DeltaHasher(packed, n)
         self._remember(target, stored)
-        self.router.delta_started(DeltaInfo(self.version, target, n + 1))
+        self.router.delta_started(DeltaInfo(self.version, target, n))
         # the state hash (all the weights, BLAKE3) runs in a thread while the chunks are encoded
         hashing = asyncio.ensure_future(in_thread(self._hash_state, new)) if self._signs else None
         self._dispatch(self.router.commands())
@@ -363,7 +364,7 @@ class VersionFlow:
             await self._store(m, stored.chunks, new, wire, in_place=False)
             store_s = time.perf_counter() - t
         stored.seal = wire
-        self.router.chunk_arrived(target, n)  # the seal goes out last
+        self.router.seal_arrived(target)  # the seal goes out last
         async with self.weights_lock:
             self.weights, self.version, self.digest, self.seal = new, target, m.target_digest, wire
             self._hashes = hashes
@@ -472,9 +473,7 @@ class VersionFlow:
             self.history.pop(cmd.target, None)
             self.router.delta_abandoned(cmd.target)
             for box in self.children.values():
-                box.queue = deque(
-                    c for c in box.queue if not (isinstance(c, SendChunk | SendManifest) and _target(c) == cmd.target)
-                )
+                box.queue = deque(c for c in box.queue if not (isinstance(c, _Streamed) and _target(c) == cmd.target))
 
     async def _run(self, commands: list[IntakeCommand]) -> int | None:
         """Carry out `Intake`'s commands in order; the version committed if one was."""
@@ -485,7 +484,7 @@ class VersionFlow:
                 self._abandon([cmd])
             elif isinstance(cmd, Forward):
                 assert inc is not None
-                self.router.chunk_arrived(cmd.target, cmd.piece)
+                self.router.chunk_arrived(cmd.target, cmd.chunk)
                 self._dispatch(self.router.commands())
             elif isinstance(cmd, DecodeAhead):
                 assert inc is not None
@@ -543,7 +542,7 @@ class VersionFlow:
         )
         if begin.streamed:
             self._remember(m.target_version, _Stored(packed, [None] * m.n_chunks, m.is_snapshot))
-            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks + 1))
+            self.router.delta_started(DeltaInfo(self.version or 0, m.target_version, m.n_chunks))
         return [c for c in commands if not isinstance(c, Abandon | Begin)]
 
     async def _chunk(self, target: int, i: int, data: bytes) -> int | None:
@@ -604,9 +603,10 @@ class VersionFlow:
         )
         verify_s = time.perf_counter() - t + (inc.hash_s if seal is not None else 0.0)  # the chunks' hashing counts
         wire = None if inc.seal is None else inc.seal[1]
-        if trust.forward is not None:  # checked: the seal follows the chunks down the tree at once
-            self.history[trust.forward.target].seal = wire
-            self.router.chunk_arrived(trust.forward.target, trust.forward.piece)
+        if trust.forward_seal:  # checked: the seal follows the chunks down the tree at once
+            target = inc.manifest.target_version
+            self.history[target].seal = wire
+            self.router.seal_arrived(target)
             self._dispatch(self.router.commands())
         return await self._commit(inc, wire, trusted_bytes, trust.check_state, verify_s)
 
@@ -672,7 +672,7 @@ class VersionFlow:
             if box is None:
                 continue
             head = box.queue[0] if box.queue else None
-            stale = isinstance(head, SendChunk | SendManifest) and _target(head) not in self.history
+            stale = isinstance(head, _Streamed) and _target(head) not in self.history
             if stale or len(box.queue) >= MAX_QUEUED:
                 box.ch.abort(
                     f"{cmd.child!r} is not reading: it fell {len(box.queue)} messages behind, past the "
@@ -697,19 +697,18 @@ class VersionFlow:
                 DeltaManifest(
                     base=cmd.delta.base if not stored.snapshot else None,
                     target=cmd.delta.target,
-                    n=cmd.delta.chunks - 1,
+                    n=cmd.delta.chunks,
                 ),
                 stored.manifest,
             )
         elif isinstance(cmd, SendChunk):
-            stored = self._held(cmd.target)
-            if cmd.index == len(stored.chunks):
-                assert stored.seal is not None
-                await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
-            else:
-                chunk = stored.chunks[cmd.index]
-                assert chunk is not None
-                await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), chunk)
+            chunk = self._held(cmd.target).chunks[cmd.index]
+            assert chunk is not None
+            await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), chunk)
+        elif isinstance(cmd, SendSeal):
+            seal = self._held(cmd.target).seal
+            assert seal is not None
+            await ch.send(DeltaSeal(target=cmd.target, seal=seal))
         elif isinstance(cmd, SendCatchUp):
             await self._catch_up(ch, cmd)
 
@@ -889,12 +888,7 @@ class VersionFlow:
         snapshots = [v for v, h in self.history.items() if h.snapshot]
         if len(snapshots) > KEEP_SNAPSHOTS:
             # full weights each: only the newest are worth their memory, and those still going out
-            queued = {
-                _target(c)
-                for box in self.children.values()
-                for c in box.queue
-                if isinstance(c, SendChunk | SendManifest)
-            }
+            queued = {_target(c) for box in self.children.values() for c in box.queue if isinstance(c, _Streamed)}
             for v in snapshots[:-KEEP_SNAPSHOTS]:
                 if v not in queued:
                     del self.history[v]
@@ -904,8 +898,12 @@ class GoneFromHistory(Exception):
     """What a child was to be sent has left this node's history: the child fell too far behind."""
 
 
-def _target(cmd: SendChunk | SendManifest) -> int:
-    return cmd.target if isinstance(cmd, SendChunk) else cmd.delta.target
+_Streamed = SendManifest | SendChunk | SendSeal
+"""The commands that send part of a streamed delta (which the history must still hold)."""
+
+
+def _target(cmd: SendManifest | SendChunk | SendSeal) -> int:
+    return cmd.delta.target if isinstance(cmd, SendManifest) else cmd.target
 
 
 def _decode_and_apply(rx: DeltaReceiver, w: Weights, check: Any, threads: int) -> frozenset[str]:

@@ -27,7 +27,7 @@ from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.logs import configure
 from aurora.protocol.messages import DeltaChunk, DeltaManifest, DeltaSeal, SealWire
-from aurora.protocol.routing import SendChunk, SendManifest
+from aurora.protocol.routing import SendChunk, SendManifest, SendSeal
 
 _real_send_delta = flow._send_delta
 _forged: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
@@ -68,12 +68,12 @@ async def _forged_send_one(self: flow.VersionFlow, ch: Channel, cmd: flow.Comman
         manifest, chunks = _forged[cmd.delta.target]
         await ch.send(DeltaManifest(base=cmd.delta.base, target=cmd.delta.target, n=len(chunks)), manifest)
     elif isinstance(cmd, SendChunk):
-        stored = self._held(cmd.target)  # GoneFromHistory: the child fell behind, as in the real relay
-        if cmd.index == len(stored.chunks):
-            assert stored.seal is not None
-            await ch.send(DeltaSeal(target=cmd.target, seal=stored.seal))
-        else:
-            await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), _forged[cmd.target][1][cmd.index])
+        self._held(cmd.target)  # GoneFromHistory: the child fell behind, as in the real relay
+        await ch.send(DeltaChunk(target=cmd.target, i=cmd.index), _forged[cmd.target][1][cmd.index])
+    elif isinstance(cmd, SendSeal):
+        seal = self._held(cmd.target).seal
+        assert seal is not None
+        await ch.send(DeltaSeal(target=cmd.target, seal=seal))
     else:
         await self._catch_up(ch, cmd)
 

@@ -30,13 +30,13 @@ def _announce(target: int, base: int | None, n: int, *, sealed: bool = False, fi
     return Announced(target, base, n, target, base, n, sealed, fits)
 
 
-def test_a_streamed_delta_is_forwarded_piece_by_piece_and_finished_after_its_seal() -> None:
+def test_a_streamed_delta_is_forwarded_chunk_by_chunk_and_finished_after_its_seal() -> None:
     k = Intake("relay", 3, authenticates=True, held_sealed=True)
     assert k.manifest(_announce(4, 3, 2)) == [Begin(4, streamed=True)]
     assert k.chunk_added(4, 1) == [Forward(4, 1), DecodeAhead(4)]
     assert k.chunk_added(4, 0) == [Forward(4, 0)]  # complete: no link timing for a streamed delta
     assert k.sealed(4) == [Finish(4)]
-    assert k.trust(has_seal=True, bytes_sealed=True, seal_base=3).forward == Forward(4, 2)
+    assert k.trust(has_seal=True, bytes_sealed=True, seal_base=3).forward_seal
     k.committed(4, sealed=True)
     assert k.version == 4
     assert k.receiving is None
@@ -48,7 +48,7 @@ def test_a_catch_up_is_not_forwarded_and_its_state_is_checked() -> None:
     assert k.chunk_added(5, 0) == [TimeLink(5), Finish(5)]
     trust = k.trust(has_seal=True, bytes_sealed=False, seal_base=4)
     assert trust.check_state
-    assert trust.forward is None
+    assert not trust.forward_seal
 
 
 def test_the_rules_refuse_what_a_parent_gets_wrong_and_change_nothing() -> None:
@@ -197,7 +197,7 @@ def test_intake_invariants_hold_over_any_sequence(
             delta["sealed"] = True
         elif op[0] == "trust":
             assert delta is not None
-            assert (out.forward is not None) == delta["streamed"]
+            assert out.forward_seal == delta["streamed"]
             assert out.check_state == (authenticates and op[1] and not op[2])
             out = []
         elif op[0] == "commit":

@@ -240,3 +240,22 @@ def test_catch_up_choices_and_their_reasons() -> None:
     assert routing.choose_catch_up(2, 7, full, stored=False) == routing.Replay(
         7, 7, "the history holds v7..v7, from a snapshot"
     )
+
+
+def test_the_seal_is_its_own_command_after_every_chunk_and_reaches_a_late_joiner() -> None:
+    from aurora.protocol.routing import DeltaInfo, SendChunk, SendManifest, SendSeal, VersionRouter
+
+    r = VersionRouter(3)
+    r.child_attached("a", 3)
+    r.commands()
+    d = DeltaInfo(3, 4, 2)
+    r.delta_started(d)
+    r.seal_arrived(4)  # before the chunks: not yet (the seal follows them)
+    r.chunk_arrived(4, 0)
+    r.chunk_arrived(4, 1)
+    assert r.commands() == [SendManifest("a", d), SendChunk("a", 4, 0), SendChunk("a", 4, 1)]
+    r.seal_arrived(4)
+    r.seal_arrived(4)  # once
+    assert r.commands() == [SendSeal("a", 4)]
+    r.child_attached("b", 3)  # joins the stream after the seal: the whole delta, seal last
+    assert r.commands() == [SendManifest("b", d), SendChunk("b", 4, 0), SendChunk("b", 4, 1), SendSeal("b", 4)]

@@ -16,7 +16,8 @@ either raises the typed error of a peer's fault (`ProtocolError(remote=True)`, `
 
 * `Abandon` — forget the delta in progress (its history entry, its routing, what is queued of it);
 * `Begin` — start receiving the announced delta (``streamed``: forward it chunk by chunk);
-* `Forward` — a streamed delta's piece ``i`` (the seal is piece ``n``) may go to the children;
+* `Forward` — a streamed delta's chunk ``i`` may go to the children (its seal goes on only once
+  `trust` has passed it: `Trust.forward_seal`);
 * `DecodeAhead` — decode what has come while the rest arrives;
 * `TimeLink` — a bulk transfer (not streamed) has all its chunks: the parent link may be timed;
 * `Finish` — everything is in: verify the seal and commit.
@@ -32,7 +33,7 @@ Rules and invariants (tests/test_protocol_intake.py holds the machine to them):
   for a delta in progress that is complete, streamed and not yet sealed;
 * exactly one `Finish` per delta, once every chunk is in and, if streamed, its seal;
 * a streamed delta is the next version (held + 1) without a seal of its own in the manifest, and
-  only its pieces are `Forward`ed, the seal (piece ``n``) only once `trust` has passed it;
+  only its chunks are `Forward`ed, each once, and its seal only once `trust` has passed it;
 * `trust`: a streamed delta's bytes must be the ones the trainer sealed; a delta whose bytes are
   sealed must be from the base its seal names; otherwise (a composed catch-up, a snapshot a relay
   made) the result's state is checked against the seal (`Trust.check_state`) — and an
@@ -78,8 +79,7 @@ class Begin:
 @dataclass(frozen=True, slots=True)
 class Forward:
     target: int
-    piece: int
-    """A chunk's index, or the chunk count for the seal."""
+    chunk: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ class Trust:
 
     check_state: bool
     """Hash the result and compare with the sealed state (the bytes are not the trainer's own)."""
-    forward: Forward | None = None
+    forward_seal: bool = False
     """A streamed delta's seal, checked against its bytes: it follows the chunks down the tree now."""
 
 
@@ -224,7 +224,7 @@ class Intake:
         check_state = self.authenticates and not bytes_sealed
         if not check_state and self.authenticates and d.base is not None and not self.held_sealed:
             raise AuthError(f"{self.name}: holds version {self.version} unsealed; a delta onto it proves nothing")
-        return Trust(check_state, Forward(d.target, d.n_chunks) if d.streamed else None)
+        return Trust(check_state, forward_seal=d.streamed)
 
     def committed(self, target: int, *, sealed: bool) -> None:
         """The delta in progress was committed: the node holds ``target`` now."""

@@ -9,7 +9,9 @@ Rules (outputs are drained with `commands()`):
 
 * **cut-through**: a child that holds the in-flight delta's base gets its
   manifest, then every chunk that has already arrived, then each new chunk the
-  moment it arrives — it never waits for this node to hold the whole delta;
+  moment it arrives — it never waits for this node to hold the whole delta — and
+  the delta's seal (`SendSeal`, its own command) once this node has it
+  (`seal_arrived`: after every chunk, and only once checked);
 * **catch-up**: a child that is behind ``latest`` (or holds nothing) gets one
   `SendCatchUp` from its version to ``latest`` (what it is sent, `choose_catch_up`
   decides: below); once it reports ``latest`` it joins the stream of the in-flight delta;
@@ -19,8 +21,9 @@ Rules (outputs are drained with `commands()`):
 Invariants (checked by property tests): a child is sent chunks of a delta
 only if the last version it reported — or the target of the catch-up sent to
 it — is that delta's base, and only after the delta's manifest; each chunk
-goes to each child at most once per attachment; when the flow stops, every
-attached child has been sent what brings it to ``latest``.
+goes to each child at most once per attachment, and the seal at most once, after
+all of the delta's chunks; when the flow stops, every attached child has been sent
+what brings it to ``latest``.
 
 **What a catch-up sends** (`choose_catch_up`, from the child's version ``have``, the
 target ``to``, the complete versions the node's history holds and whether its store
@@ -60,6 +63,7 @@ class DeltaInfo:
     base: int
     target: int
     chunks: int
+    """Its chunks (the seal follows them: `SendSeal`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,14 @@ class SendChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class SendSeal:
+    """The seal of the delta to ``target``, after its chunks."""
+
+    child: str
+    target: int
+
+
+@dataclass(frozen=True, slots=True)
 class SendCatchUp:
     child: str
     from_version: int | None
@@ -83,7 +95,7 @@ class SendCatchUp:
     to_version: int
 
 
-Command = SendManifest | SendChunk | SendCatchUp
+Command = SendManifest | SendChunk | SendSeal | SendCatchUp
 
 
 @dataclass
@@ -104,6 +116,8 @@ class VersionRouter:
         self.latest = latest
         self.inflight: DeltaInfo | None = None
         self.arrived: set[int] = set()
+        self.sealed = False
+        """The in-flight delta's seal has arrived (checked)."""
         self.children: dict[str, _Child] = {}
         self._out: list[Command] = []
 
@@ -119,7 +133,7 @@ class VersionRouter:
             raise ValueError("versions advance one at a time")
         if self.inflight is not None and self.inflight != delta:
             raise ValueError(f"delta to {self.inflight.target} is still in flight")
-        self.inflight, self.arrived = delta, set()
+        self.inflight, self.arrived, self.sealed = delta, set(), False
         for name in sorted(self.children):
             self._update(name)
 
@@ -134,12 +148,23 @@ class VersionRouter:
                 c.sent.add(index)
                 self._out.append(SendChunk(name, target, index))
 
+    def seal_arrived(self, target: int) -> None:
+        """The in-flight delta's seal is here and checked (after all its chunks): every child it streams
+        to gets it."""
+        d = self.inflight
+        if d is None or target != d.target or self.sealed or len(self.arrived) != d.chunks:
+            return
+        self.sealed = True
+        for name in sorted(self.children):
+            if self.children[name].streaming == target:
+                self._out.append(SendSeal(name, target))
+
     def delta_abandoned(self, target: int) -> None:
         """The in-flight delta to ``target`` will not complete here (its source is gone): forget it.
         Children that were streamed part of it get it again whole with the next delta or catch-up."""
         if self.inflight is None or self.inflight.target != target:
             return
-        self.inflight, self.arrived = None, set()
+        self.inflight, self.arrived, self.sealed = None, set(), False
         for c in self.children.values():
             if c.streaming == target:
                 c.streaming, c.sent = None, set()
@@ -149,7 +174,7 @@ class VersionRouter:
         if self.latest is not None and version <= self.latest:
             return
         self.latest = version
-        self.inflight, self.arrived = None, set()  # it committed, or a catch-up jumped past it
+        self.inflight, self.arrived, self.sealed = None, set(), False  # committed, or a catch-up jumped past it
         for name in sorted(self.children):
             self._update(name)
 
@@ -189,6 +214,8 @@ class VersionRouter:
             c.streaming, c.sent = d.target, set(self.arrived)
             self._out.append(SendManifest(name, d))
             self._out.extend(SendChunk(name, d.target, i) for i in sorted(self.arrived))
+            if self.sealed:
+                self._out.append(SendSeal(name, d.target))
 
 
 # -- what a catch-up sends
