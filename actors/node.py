@@ -155,8 +155,6 @@ class NodeTransport(Transport, Protocol):
 
     address: str
 
-    async def listen_in(self, tg: asyncio.TaskGroup) -> str: ...
-
     async def disconnect(self, peer: str) -> None: ...
 
 
@@ -232,12 +230,9 @@ async def run_node(
     node.sup = sup
     with unwrap_group():  # one error (a crash loop, a bind failure): raised as itself
         async with asyncio.TaskGroup() as tg:
-            if spec.listen is not None:
-                await zt.listen_in(tg)
-            else:
-                zt.start_in(tg)
+            await zt.start_in(tg)
             if node.rtc is not None:
-                node.rtc.start_in(tg)
+                await node.rtc.start_in(tg)
             node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
             sup_task = await sup.start_in(tg)
             log.info(

@@ -176,7 +176,7 @@ async def fetch_status(
     zt = ZmqTransport(me or f"status-{os.getpid()}-{secrets.token_hex(4)}", cfg=cfg, keys=keys, clock=clock)
     with unwrap_group():
         async with asyncio.TaskGroup() as tg:
-            zt.start_in(tg)
+            await zt.start_in(tg)
             try:
                 async with clock.timeout(timeout_s):
                     ch = await zt.connect(t.name, t.listen)

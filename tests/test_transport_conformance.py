@@ -73,8 +73,8 @@ async def webrtc_link() -> AsyncIterator[LinkPair]:
     with loopback_ice():
         async with asyncio.TaskGroup() as tg:
             ta, tb = WebRtcTransport("parent", RTC_CFG), WebRtcTransport("child", RTC_CFG)
-            ta.start_in(tg)
-            tb.start_in(tg)
+            await ta.start_in(tg)
+            await tb.start_in(tg)
             pairs = RtcPairs(tg)
             a, b = await pairs.connect(ta, tb)
             chans = [a, b]
@@ -85,7 +85,7 @@ async def webrtc_link() -> AsyncIterator[LinkPair]:
             async def restart_b() -> tuple[Channel, Channel]:
                 await chans[-1].pc.close()
                 tb2 = WebRtcTransport("child", RTC_CFG)
-                tb2.start_in(tg)
+                await tb2.start_in(tg)
                 a2, b2 = await pairs.connect(ta, tb2)
                 chans.extend((a2, b2))
                 return a2, b2

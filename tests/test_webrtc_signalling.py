@@ -40,8 +40,8 @@ async def _through_rendezvous(rewrite: Callable[[Signal], Signal]) -> tuple[Any,
     with loopback_ice():
         async with asyncio.TaskGroup() as tg:
             a, b = WebRtcTransport("rollout-a", CFG), WebRtcTransport("rollout-b", CFG)
-            a.start_in(tg)
-            b.start_in(tg)
+            await a.start_in(tg)
+            await b.start_in(tg)
             a_up, relay_a = memory_channel_pair("rollout-a", "relay")
             b_up, relay_b = memory_channel_pair("rollout-b", "relay")
             chans = [a_up, relay_a, b_up, relay_b]
@@ -102,7 +102,7 @@ async def test_a_garbage_offer_is_refused_and_the_transport_goes_on() -> None:
     with loopback_ice():
         async with asyncio.TaskGroup() as tg:
             t = WebRtcTransport("relay", CFG)
-            t.start_in(tg)
+            await t.start_in(tg)
             mine, theirs = memory_channel_pair("relay", "rollout")
             for sdp in (
                 "m=audio x y z",

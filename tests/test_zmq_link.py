@@ -88,9 +88,9 @@ async def test_lost_credit_reports_are_healed_by_heartbeats(monkeypatch: pytest.
 async def test_transport_connects_by_node_id_and_address_both_ways() -> None:
     async with asyncio.TaskGroup() as tg:
         parent = ZmqTransport("relay-a", cfg=CFG, bind="tcp://127.0.0.1:0")
-        addr = await parent.listen_in(tg)
+        addr = await parent.start_in(tg)
         child = ZmqTransport("rollout-1", cfg=CFG)
-        child.start_in(tg)
+        assert await child.start_in(tg) == ""  # nothing to listen at
         up = await child.connect("relay-a", addr)
         down = await asyncio.wait_for(parent.accept(), 5)
         assert (up.peer, down.peer) == ("relay-a", "rollout-1")
@@ -106,7 +106,7 @@ async def test_transport_connects_by_node_id_and_address_both_ways() -> None:
 async def test_curve_without_the_peers_key_is_a_config_error() -> None:
     async with asyncio.TaskGroup() as tg:
         t = ZmqTransport("rollout-1", cfg=CFG, keys=NodeKeys(CurveKeys.generate()))
-        t.start_in(tg)
+        await t.start_in(tg)
         with pytest.raises(ConfigError, match="relay-a"):
             await t.connect("relay-a", "tcp://127.0.0.1:1")
         await t.close()

@@ -99,8 +99,9 @@ class Transport(Protocol):
 
     node_id: str
 
-    def start_in(self, tg: asyncio.TaskGroup) -> None:
-        """Start the transport's tasks in ``tg`` (their owner)."""
+    async def start_in(self, tg: asyncio.TaskGroup) -> str:
+        """Start the transport's tasks in ``tg`` (their owner) and, if it has an address to listen at,
+        bind it: returns the address it listens at ("" without one). One shape for every transport."""
         ...
 
     async def connect(self, peer: str, address: str) -> Channel:

@@ -401,9 +401,12 @@ class WebRtcTransport:
         self.accepting = accepting
         """Whether this node takes WebRTC children (answers offers) at all."""
 
-    def start_in(self, tg: asyncio.TaskGroup) -> None:
+    async def start_in(self, tg: asyncio.TaskGroup) -> str:
+        """Own the transport's tasks in ``tg``. WebRTC listens nowhere itself (offers come through a
+        signalling channel): returns ""."""
         tune_sctp(self.cfg)
         self._tg = tg
+        return ""
 
     def _rtc_config(self) -> RTCConfiguration:
         servers = [RTCIceServer(list(s.urls), s.username, s.credential) for s in self.cfg.ice_servers]

@@ -583,16 +583,13 @@ class ZmqTransport:
         self._accepted: asyncio.Queue[ZmqChannel] = asyncio.Queue()
         self._forwards: dict[str, asyncio.Task[None]] = {}
 
-    async def listen_in(self, tg: asyncio.TaskGroup) -> str:
-        """`start_in`, and bind the server; returns its address ("" without one)."""
-        self.start_in(tg)
+    async def start_in(self, tg: asyncio.TaskGroup) -> str:
+        """Own the transport's tasks in ``tg``; bind the server, if any: its address ("" without one)."""
+        self._tg = tg
         if self.server is not None:
             self.address = await self.server.start_in(tg)
             self._forwards[""] = tg.create_task(self._forward(self.server))
         return self.address
-
-    def start_in(self, tg: asyncio.TaskGroup) -> None:
-        self._tg = tg
 
     async def _forward(self, ep: _Endpoint) -> None:
         while True:

@@ -99,7 +99,7 @@ async def zmq_sink(host: str, streams: int, webrtc: bool, rtc_kw: dict[str, Any]
             from aurora.transport.webrtc import RtcConfig, WebRtcTransport
 
             rtc = WebRtcTransport("sink", RtcConfig(**rtc_kw))
-            rtc.start_in(tg)
+            await rtc.start_in(tg)
             sig = await server.accept()
             pump = tg.create_task(rtc.serve_signalling(sig))
             chans = [await rtc.accept() for _ in range(streams)]
@@ -135,7 +135,7 @@ async def zmq_source(addr: str, payload: bytes, streams: int, webrtc: bool, rtc_
             clients.append(client)
             sig = await client.start_in(tg)
             rtc = WebRtcTransport("source", RtcConfig(**rtc_kw))
-            rtc.start_in(tg)
+            await rtc.start_in(tg)
             pump = tg.create_task(rtc.serve_signalling(sig))
             chans: list[Channel] = [await rtc.connect_via("sink", sig) for _ in range(streams)]
         else:

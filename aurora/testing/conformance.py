@@ -124,8 +124,12 @@ async def check_backpressure(link: LinkFactory) -> None:
 
             task = asyncio.ensure_future(flood())
             try:
-                await asyncio.sleep(0.5)
-                stalled_at = sent
+                stalled_at = -1
+                for _ in range(50):  # until the sender stops (a slow link takes a while to fill the window)
+                    await asyncio.sleep(0.3)
+                    if sent == stalled_at:
+                        break
+                    stalled_at = sent
                 assert stalled_at <= limit + 1, f"{lane.value}: sender got {stalled_at} messages ahead of {limit}"
                 await asyncio.sleep(0.2)
                 assert sent == stalled_at, f"{lane.value}: sender kept going while the receiver read nothing"

@@ -18,7 +18,7 @@ pairs, so the node code under test is the code that runs over ZeroMQ. Faults:
 
 Channels are ordered and lossless while up (ZeroMQ's contract over TCP). With ``timings`` each
 channel end heartbeats on ``clock`` like a real link, its timer a task of its node's transport
-(`LinkTransport.start_in` / `listen_in`: the node's task group); without, there are none.
+(`LinkTransport.start_in`: the node's task group); without, there are none.
 """
 
 from __future__ import annotations
@@ -104,12 +104,10 @@ class LinkTransport:
         self._tg: asyncio.TaskGroup | None = None
         self.closed = False
 
-    def start_in(self, tg: asyncio.TaskGroup) -> None:
-        """Deliveries are direct; with the net's timings, each channel end's heartbeats are tasks of ``tg``."""
+    async def start_in(self, tg: asyncio.TaskGroup) -> str:
+        """Deliveries are direct; with the net's timings, each channel end's heartbeats are tasks of ``tg``.
+        Binds its address, if any (returned; "" without one)."""
         self._tg = tg
-
-    async def listen_in(self, tg: asyncio.TaskGroup) -> str:
-        self.start_in(tg)
         if self.bind is not None:
             old = self.net.listeners.get(self.bind)
             if old is not None and not old.closed:
