@@ -489,7 +489,11 @@ class VersionFlow:
             elif isinstance(cmd, DecodeAhead):
                 assert inc is not None
                 if self._tg is not None and (inc.decoding is None or inc.decoding.done()):
-                    inc.decoding = self._tg.create_task(self._decode_ahead(inc))
+                    decoding = self._decode_ahead(inc)
+                    try:
+                        inc.decoding = self._tg.create_task(decoding)
+                    except RuntimeError:  # the owner's task group is shutting down: the commit decodes
+                        decoding.close()
             elif isinstance(cmd, TimeLink):
                 assert inc is not None
                 self._time_link(inc)

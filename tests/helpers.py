@@ -88,3 +88,62 @@ engine: {{kind: {engine}, max_new_tokens: 5, temperature: 1.0, seed: 0}}
 run: {{steps: {steps}}}
 """)
     return topo
+
+
+async def run_in_process(
+    tmp_path: Path,
+    topology: str,
+    names: tuple[str, ...],
+    done: Callable[[dict[str, Any]], bool],
+    *,
+    timeout_s: float = 30.0,
+    inject: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run the nodes ``names`` of ``topology`` (YAML text; ``mem://`` listen addresses) in this event
+    loop over in-memory links, until ``done(nodes)`` or ``timeout_s``; ``inject(nodes)`` is called once
+    every node is built. Returns the nodes (`aurora.actors.node.Node`) and every log event."""
+    import asyncio
+    import contextlib
+
+    from aurora.actors.node import run_node
+    from structlog.testing import capture_logs
+
+    from aurora.config.plan import plan
+    from aurora.config.topology import load_topology
+    from aurora.testing.links import LinkNet
+
+    path = tmp_path / "topology.yaml"
+    path.write_text(topology)
+    topo = load_topology(path)
+    tree = plan(topo, str(path))
+    net = LinkNet()
+    nodes: dict[str, Any] = {}
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        tasks = [
+            asyncio.create_task(
+                run_node(
+                    topo,
+                    tree,
+                    n,
+                    stop,
+                    transport=net.transport(n, bind=topo.node(n).listen),
+                    observe=lambda node, n=n: nodes.__setitem__(n, node),
+                )
+            )
+            for n in names
+        ]
+        try:
+            async with asyncio.timeout(timeout_s):
+                while len(nodes) < len(names):  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+                if inject is not None:
+                    inject(nodes)
+                while not done(nodes):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            for t in tasks:
+                with contextlib.suppress(Exception):
+                    await t
+    return nodes, logs

@@ -4,19 +4,15 @@ supervisor counts and restarts it (let it crash)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aurora.actors.node import Node, run_node
-from structlog.testing import capture_logs
-
-from aurora.config.plan import plan
-from aurora.config.topology import load_topology
 from aurora.errors import ProtocolError, StoreError, peer_fault
 from aurora.events import CHILD_RESTARTING, PARENT_ATTACHED, PARENT_FAILED
-from aurora.testing.links import LinkNet
+from tests.helpers import run_in_process
+
+if TYPE_CHECKING:
+    from aurora.actors.node import Node
 
 STEPS = 6
 TOPOLOGY = f"""
@@ -48,42 +44,10 @@ def test_peer_fault_names_the_peers_errors_only() -> None:
 
 
 async def _cluster(tmp: Path, inject: Any) -> tuple[dict[str, Node], list[dict[str, Any]]]:
-    """Run the three nodes until r1 holds the last version (or 30 s pass); ``inject(nodes)`` is
-    called once every node is built."""
-    path = tmp / "blame.yaml"
-    path.write_text(TOPOLOGY)
-    topo = load_topology(path)
-    tree = plan(topo, str(path))
-    net = LinkNet()
-    nodes: dict[str, Node] = {}
-    stop = asyncio.Event()
-    with capture_logs() as logs:
-        tasks = [
-            asyncio.create_task(
-                run_node(
-                    topo,
-                    tree,
-                    n,
-                    stop,
-                    transport=net.transport(n, bind=topo.node(n).listen),
-                    observe=lambda node, n=n: nodes.__setitem__(n, node),
-                )
-            )
-            for n in NAMES
-        ]
-        try:
-            async with asyncio.timeout(30):
-                while len(nodes) < len(NAMES):  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
-                inject(nodes)
-                while nodes["r1"].flow.version != STEPS:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
-        finally:
-            stop.set()
-            for t in tasks:
-                with contextlib.suppress(Exception):
-                    await t
-    return nodes, logs
+    """Run the three nodes until r1 holds the last version (or 30 s pass)."""
+    return await run_in_process(
+        tmp, TOPOLOGY, NAMES, lambda nodes: nodes["r1"].flow.version == STEPS, timeout_s=30, inject=inject
+    )
 
 
 async def test_a_local_failure_on_the_uplink_crashes_it_and_never_blames_the_parent(tmp_path: Path) -> None:

@@ -4,21 +4,15 @@ reader of its own, which never waits on a commit (docs/transport.md)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 import aurora.actors.flow as flow_module
 import pytest
-from aurora.actors.node import Node, run_node
-from structlog.testing import capture_logs
 
-from aurora.config.plan import plan
-from aurora.config.topology import load_topology
 from aurora.events import LEASE_EXPIRED, LEASE_GIVEN_UP, VERSION_COMMITTED
-from aurora.testing.links import LinkNet
+from tests.helpers import run_in_process
 
 COMMIT_S = 4.0
 """How long the rollout's commit of one version takes (several lease TTLs)."""
@@ -49,36 +43,9 @@ async def test_renewals_pass_while_the_version_stream_waits_on_a_long_commit(
         return real(*args)
 
     monkeypatch.setattr(flow_module, "_decode_and_apply", slow_commit)
-    path = tmp_path / "lanes.yaml"
-    path.write_text(TOPOLOGY)
-    topo = load_topology(path)
-    tree = plan(topo, str(path))
-    net = LinkNet()
-    nodes: dict[str, Node] = {}
-    stop = asyncio.Event()
-    with capture_logs() as logs:
-        tasks = [
-            asyncio.create_task(
-                run_node(
-                    topo,
-                    tree,
-                    n,
-                    stop,
-                    transport=net.transport(n, bind=topo.node(n).listen),
-                    observe=lambda node, n=n: nodes.__setitem__(n, node),
-                )
-            )
-            for n in ("trainer", "r1")
-        ]
-        try:
-            async with asyncio.timeout(60):
-                while not (nodes.get("r1") and nodes["r1"].flow.version == 3):  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
-        finally:
-            stop.set()
-            for t in tasks:
-                with contextlib.suppress(Exception):
-                    await t
+    _, logs = await run_in_process(
+        tmp_path, TOPOLOGY, ("trainer", "r1"), lambda nodes: nodes["r1"].flow.version == 3, timeout_s=60
+    )
     assert slowed, "no delta was committed"
     committed = [e["version"] for e in logs if e["event"] == VERSION_COMMITTED and e.get("node") == "r1"]
     assert committed == [0, 1, 2, 3]
