@@ -55,7 +55,9 @@ def test_a_sender_notices_when_its_webrtc_peer_is_killed() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        time.sleep(3)
+        assert src.stdout is not None
+        assert json.loads(src.stdout.readline())["started"]  # connected: the transfer runs (a slow machine
+        time.sleep(1)  # takes seconds to get here; killing the sink before would test the connect instead)
         assert src.poll() is None, "the transfer ended before the kill"
         subprocess.run(["kill", "-9", str(sink.pid)], check=True)
         t0 = time.monotonic()

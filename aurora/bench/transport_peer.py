@@ -143,6 +143,7 @@ async def zmq_source(addr: str, payload: bytes, streams: int, webrtc: bool, rtc_
             chans = [await c.start_in(tg) for c in clients]
             for c in chans:  # wait until each link is up (not timed)
                 await c.send(Probe(note="hello"))
+        _say({"started": True, "streams": len(chans)})  # every link is up: the transfer begins now
         t0 = time.perf_counter()
         await send_bulk(chans, payload)
         seconds = time.perf_counter() - t0
