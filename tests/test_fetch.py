@@ -202,6 +202,7 @@ def test_conversion_writes_a_loadable_directory(converted: tuple[FetchResult, li
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     assert cfg["rms_norm_eps"] == 1e-5
     assert "_model_name_or_path" not in cfg
+    assert cfg["architectures"] == ["LlamaForCausalLM"]  # what vLLM and other HF readers pick the class by
 
     _, ref = tiny
     sd = load_file(str(r.dest / "model.safetensors"))

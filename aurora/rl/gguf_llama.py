@@ -21,7 +21,9 @@ Invariants:
 - Quantised blocks are dequantised to float32 by gguf's reference code, then rounded once to bf16: the
   weights are the quantised model's, not the original checkpoint's.
 - ``config.json`` states ``rope_theta`` at the top level as well as in ``rope_parameters``: readers
-  written for transformers 4 look only at the former and silently fall back to 10,000.
+  written for transformers 4 look only at the former and silently fall back to 10,000. It names its
+  ``architectures`` (``LlamaForCausalLM``), which a config made from GGUF metadata lacks and by which
+  vLLM and other readers of Hugging Face directories choose the model class.
 
 This module only writes files; fsync and making the directory appear at once are the caller's job
 (`aurora.rl.fetch`).
@@ -134,6 +136,9 @@ def _write_config(config: Any, out: Path) -> None:
     path = out / "config.json"
     data = json.loads(path.read_text())
     data.pop("_model_name_or_path", None)  # transformers fills it with the GGUF's general.name
+    # what tools that read Hugging Face directories (vLLM among them) pick the model class by;
+    # a config made from GGUF metadata has none
+    data["architectures"] = ["LlamaForCausalLM"]
     data["rope_theta"] = float(data["rope_parameters"]["rope_theta"])
     data["dtype"] = data["torch_dtype"] = "bfloat16"  # torch_dtype: the key transformers 4 reads
     # GGUF holds float32: 1e-5 is stored as 9.999999747e-06; write the shortest decimal that rounds to it
