@@ -124,7 +124,9 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "publication to the last rollout's commit, for full weights and deltas, as a star and "
         "down the relay tree. Prints each time with its lower bound (bytes over the busiest WAN "
         "link at the link rate, plus the RTTs of the deepest path), the ratio to it, and the "
-        "speed-up over the full-weight star.",
+        "speed-up over the full-weight star. Every rollout does leased work meanwhile (a synthetic "
+        "engine), and the median and p99 of its lease renewals' round trips are printed beside each "
+        "configuration: work messages travel in a lane of their own, never behind the weights.",
     )
     y.add_argument("--params", default="25M", help="model sizes in bf16 parameters, comma-separated (default 25M)")
     y.add_argument("--densities", default="0.01,0.05", help="fractions changed per step (default 0.01,0.05)")
