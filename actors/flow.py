@@ -640,21 +640,23 @@ class VersionFlow:
             self.version, self.digest, self.seal = target, m.target_digest, wire
             self.intake.committed(target, sealed=wire is not None)
         self._incoming = None
+        # the node holds ``target`` now, whatever comes next (a cancellation, a store that fails): its
+        # router and children learn it at once, or the next delta from the parent would not fit the router
+        kept = self.history.get(target) if inc.streamed else None
+        self._changed(target, touched)
+        if not inc.streamed:
+            self.history.clear()  # older deltas no longer lead to this version
+        self.router.version_committed(target)
+        self._dispatch(self.router.commands())
         if cancelled:
             raise asyncio.CancelledError
         if check_state:
             verify_s += time.perf_counter() - t
         self.last_verify_s = verify_s
-        self._changed(target, touched)
         if self.store is not None:
-            kept = self.history.get(target) if inc.streamed else None
             w = self.weights
             assert w is not None
             await self._store(m, None if kept is None else kept.chunks, w, wire, prune=True)
-        if not inc.streamed:
-            self.history.clear()  # older deltas no longer lead to this version
-        self.router.version_committed(target)
-        self._dispatch(self.router.commands())
         log.info(
             VERSION_COMMITTED,
             node=self.name,

@@ -829,8 +829,14 @@ class _Uplink(Actor):
         tree) never waits for the version stream, whose reader waits on commits (docs/transport.md)."""
         with unwrap_group():
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._versions(ch))
-                await self._control(up, ch)
+                versions = tg.create_task(self._versions(ch))
+                try:
+                    await self._control(up, ch)
+                except TransportClosed:
+                    # the parent is gone: what is queued in the bulk lane (a commit under way, a seal
+                    # that arrived) is still taken; the version reader then meets the close itself
+                    await versions
+                    raise
 
     async def _versions(self, ch: Channel) -> None:
         """The bulk lane: versions to the flow (a commit may wait here; credit holds the parent back)."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -348,3 +349,57 @@ async def test_a_catch_up_from_a_corrupt_stored_version_falls_back_to_the_next_w
     failed = [e for e in logs if e["event"] == CATCH_UP_STORE_FAILED]
     assert [(e["child"], e["base"]) for e in failed] == [("behind-1", 0)]
     assert {e["child"] for e in logs if e["event"] == SNAPSHOT_SENT} == {"behind-1", "behind-2"}
+
+
+async def test_a_commit_cancelled_midway_still_moves_the_router_so_the_next_delta_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The uplink's version reader may be cancelled while a commit's thread runs (the parent is left):
+    the thread finishes the commit, and the flow's router learns the version too — otherwise the next
+    delta from the parent (base: that version) would not fit the router and crash the uplink over and over."""
+    import threading
+    import time
+
+    import aurora.actors.flow as flow_module
+
+    from aurora.testing.memory import memory_channel_pair
+
+    real = flow_module._decode_and_apply
+    started = threading.Event()
+
+    def slow(*args: Any) -> frozenset[str]:
+        started.set()
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(flow_module, "_decode_and_apply", slow)
+    w0 = _model(6)
+    trainer, child = VersionFlow("trainer", w0.copy(), 0), VersionFlow("child", w0.copy(), 0)
+    down, up = memory_channel_pair("trainer", "child", window=8)
+    trainer.add_child(down, 0)
+
+    async def feed() -> int:
+        while True:
+            v = await child.on_parent_message(await up.recv())
+            if v is not None:
+                return v
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(trainer.serve_child(down))
+        w1 = perturb(w0, 0.02, 1)
+        await trainer.publish(w1.copy())
+        task = asyncio.ensure_future(feed())
+        while not started.is_set():  # noqa: ASYNC110 (a thread's event)
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert child.version == 1
+        assert child.router.latest == 1
+        trainer.on_child_version("child", 1)
+        w2 = perturb(w1, 0.02, 2)
+        await trainer.publish(w2.copy())
+        assert await asyncio.wait_for(feed(), 10) == 2
+        assert child.digest == w2.digest()
+        await down.close("test over")
+        await up.close("test over")

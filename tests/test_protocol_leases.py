@@ -176,3 +176,18 @@ def test_renewals_stop_at_the_lifetime_bound_and_an_unanswered_expiry_resets_the
 def test_a_lifetime_bound_shorter_than_two_ttls_is_refused() -> None:
     with pytest.raises(ValueError, match="max_life_s"):
         LeaseTable(ttl_s=10, max_life_s=15)
+
+
+def test_a_worker_that_let_a_lease_lapse_gets_no_slack_until_it_delivers() -> None:
+    t = LeaseTable(ttl_s=10, floor=1, max_batch=4, max_life_s=80)
+    t.add_items(range(10))
+    assert t.life_s("w") == 80  # unmeasured: the configured bound
+    t.grant("w", 0.0)
+    t.tick(10.0)  # unanswered: lapsed
+    assert t.life_s("w") == 20
+    (lease,) = t.grant("w", 11.0)
+    t.renew("w", [lease.token], 19.0)
+    (last,) = t.renew("w", [lease.token], 27.0)
+    assert last.expires_at == 31.0  # renewals end at the short bound: granted at 11, 20 s
+    assert isinstance(t.complete("w", lease.item, lease.token, 30.0), ResultAccepted)
+    assert t.life_s("w") == 76  # delivered again: 4 x the 19 s its result took, within [20, 80]

@@ -445,3 +445,22 @@ def test_two_lanes_each_keep_their_own_credit_and_order(
         assert tx.bulk_in_flight <= bulk_bytes or len(in_pipe_b) + len(inbox[Lane.BULK]) <= 1
         assert rx.unread <= window
         assert rx.bulk_unread <= bulk_bytes or len(inbox[Lane.BULK]) <= 1
+
+
+def test_a_bulk_reader_that_has_read_everything_says_so_at_once() -> None:
+    """Without heartbeats (an in-memory link) nothing else would report it: a message larger than what
+    is left of the window after an unreported read must still go once the reader has read it all."""
+    from aurora.protocol.link import bulk_size
+    from aurora.protocol.messages import Lane
+
+    mib = 1 << 20
+    tx = Link[int]("rx", window=4, bulk_bytes=16 * mib)
+    rx = Link[int]("tx", window=4, bulk_bytes=16 * mib)
+    first, second = bulk_size(6 * mib), bulk_size(12 * mib)
+    assert tx.try_send(Lane.BULK, first)
+    rx.received(LinkData(), 0.0, 1, Lane.BULK, first)
+    for out in rx.read(Lane.BULK, first):
+        assert isinstance(out, SendFrame)
+        tx.received(out.frame, 0.0)
+    assert tx.bulk_in_flight == 0
+    assert tx.try_send(Lane.BULK, second)

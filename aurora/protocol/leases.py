@@ -22,7 +22,8 @@ Invariants (each has a property test in tests/test_protocol_*.py):
 * A lease has a lifetime bound: renewals never carry it past ``granted_at +``
   `life_s`, which is derived from the work it covers — ``life_factor`` times
   what the holder's measured rate says its held prompts take, clamped to
-  [2 TTL, ``max_life_s``] (``max_life_s`` while the holder is unmeasured). A
+  [2 TTL, ``max_life_s``] (``max_life_s`` while the holder is unmeasured, 2 TTL
+  once one of its leases lapsed and until it delivers again). A
   worker that renews without answering (a hoarder) loses the lease at that
   bound, and a lease that expires unanswered resets its holder's measured
   rate, so its next grants are the floor until it delivers again: a worker's
@@ -113,6 +114,8 @@ class _Worker:
     rate: float | None = None
     last_accept: float | None = None
     held: set[Item] = field(default_factory=set)
+    lapsed: bool = False
+    """A lease of this worker expired unanswered since its last accepted result."""
 
 
 class LeaseTable:
@@ -206,6 +209,8 @@ class LeaseTable:
     def life_s(self, worker: str) -> float:
         """How long a lease of ``worker``'s may live from its grant (the lifetime bound of the invariants)."""
         w = self._workers.get(worker)
+        if w is not None and w.lapsed and w.rate is None:
+            return 2 * self.ttl_s  # it let a lease lapse: no more slack until it delivers again
         if w is None or w.rate is None or w.rate <= 0:
             return self.max_life_s
         expected_s = max(1, len(w.held)) / w.rate
@@ -228,6 +233,7 @@ class LeaseTable:
         elif w.rate is None and now > lease.granted_at:
             w.rate = 1.0 / (now - lease.granted_at)
         w.last_accept = now
+        w.lapsed = False
         return ResultAccepted(lease, now)
 
     def _reject_reason(self, worker: str, item: Item, token: Token, now: float) -> str | None:
@@ -266,6 +272,7 @@ class LeaseTable:
                 w = self._workers.get(lease.worker)
                 if w is not None:
                     w.rate = w.last_accept = None
+                    w.lapsed = True
                 self._events.append(LeaseExpired(lease))
 
     def _end(self, it: Item, lease: Lease) -> None:

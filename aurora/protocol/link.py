@@ -34,7 +34,8 @@ Rules and invariants (tests/test_protocol_link.py holds two connected links to t
   ahead of the total it was told (``0 <= sent - acked <= window``; a report above what was sent
   counts as what was sent), reported every ``max(1, window // 2)`` reads. Bulk credit counts bytes
   (`bulk_size`: buffers plus a per-message overhead): a sender is at most ``bulk_bytes`` ahead, or
-  one message ahead of all it was told however large (reported every ``bulk_bytes // 2``). So the
+  one message ahead of all it was told however large (reported every ``bulk_bytes // 2``, and
+  whenever the application has read every bulk message delivered). So the
   bulk bytes queued in the transport stay within ``bulk_bytes``, and a control message queued
   behind them waits at most that many bytes' time on the wire. `try_send` counts a message only
   while its lane allows it.
@@ -329,9 +330,10 @@ class Link(Generic[M]):
             self.bulk_read += size
         else:
             self.read_total += 1
-        due = self.read_total - self._reported >= max(
-            1, self.window // 2
-        ) or self.bulk_read - self._bulk_reported >= max(1, self.bulk_bytes // 2)
+        bulk_due = self.bulk_read - self._bulk_reported >= max(1, self.bulk_bytes // 2) or (
+            lane is Lane.BULK and not self.bulk_unread and self.bulk_read > self._bulk_reported
+        )  # all read: say so, or a next message larger than the rest of the window waits for a heartbeat
+        due = self.read_total - self._reported >= max(1, self.window // 2) or bulk_due
         if self.state is not LinkState.CLOSED and due:
             self._reported, self._bulk_reported = self.read_total, self.bulk_read
             return [SendFrame(LinkCredit(n=self.read_total, b=self.bulk_read))]
