@@ -223,8 +223,6 @@ class Worker(Actor):
         self.granted = asyncio.Event()
         self._leases_moved = asyncio.Event()
         """Leases were granted or renewed: the holder's next deadline may be sooner (`_renew` wakes)."""
-        self._renew_sent: dict[bytes, float] = {}
-        """When each renewal still unanswered was sent (its round trip is logged when it comes back)."""
 
     @property
     def want_retry_s(self) -> float:
@@ -246,11 +244,10 @@ class Worker(Actor):
                 log.info(WORK_STARTED, leases=len(got))
             self.granted.set()
         elif isinstance(m, Renewed):
-            self.holder.on_renewed(leases_in(m, self.name, now), now)
+            rtts = self.holder.on_renewed(leases_in(m, self.name, now), now)
             self._leases_moved.set()
-            sent = [t for x in m.leases if (t := self._renew_sent.pop(x.token, None)) is not None]
-            if sent:
-                log.info(LEASE_RENEWED, leases=len(m.leases), rtt_ms=round((now - min(sent)) * 1e3, 2))
+            if rtts:
+                log.info(LEASE_RENEWED, leases=len(m.leases), rtt_ms=round(max(rtts) * 1e3, 2))
         elif isinstance(m, Verdict):
             if m.ok:
                 self.stats.accepted += 1
@@ -281,11 +278,7 @@ class Worker(Actor):
                 self.prompts.pop(cast(int, ev.lease.item), None)
                 log.info(LEASE_GIVEN_UP, item=ev.lease.item, token=ev.lease.token.hex()[:8])
             for renew in renew_messages(self.name, self.holder.renewals_due(now)):
-                self._renew_sent.update((t, now) for t in renew.tokens)
                 await self.up(renew, ())
-            held = {lease.token for i in self.holder.items if (lease := self.holder.lease(i)) is not None}
-            for t in [t for t in self._renew_sent if t not in held]:  # ended unanswered: nothing to time
-                del self._renew_sent[t]
 
     async def _batch(self) -> None:
         if self.flow.version is None:  # nothing to serve until the first version arrives

@@ -191,3 +191,15 @@ def test_a_worker_that_let_a_lease_lapse_gets_no_slack_until_it_delivers() -> No
     assert last.expires_at == 31.0  # renewals end at the short bound: granted at 11, 20 s
     assert isinstance(t.complete("w", lease.item, lease.token, 30.0), ResultAccepted)
     assert t.life_s("w") == 76  # delivered again: 4 x the 19 s its result took, within [20, 80]
+
+
+def test_a_renewal_answered_gives_its_round_trip_by_the_holders_clock() -> None:
+    t = LeaseTable(ttl_s=10)
+    t.add_items(["x"])
+    h = LeaseHolder("w", renew_fraction=0.5)
+    (lease,) = t.grant("w", 0.0)
+    h.on_granted([lease], 100.0)
+    assert h.renewals_due(105.0) == [lease.token]
+    (renewed,) = t.renew("w", [lease.token], 5.2)
+    assert h.on_renewed([renewed], 105.25) == [0.25]
+    assert h.on_renewed([renewed], 106.0) == []  # answered already: nothing pending to time

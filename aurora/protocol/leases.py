@@ -354,10 +354,17 @@ class LeaseHolder:
             self._held[lease.item] = HeldLease(lease, now + lease.ttl_s - self.safety_s)
             self._renew_sent.pop(lease.item, None)
 
-    def on_renewed(self, leases: Iterable[Lease], now: float) -> None:
+    def on_renewed(self, leases: Iterable[Lease], now: float) -> list[float]:
+        """The coordinator renewed ``leases``; returns each renewal's round trip (seconds from when
+        `renewals_due` asked for it), for the held leases whose renewal it answers."""
+        rtts = []
         for lease in leases:
             if lease.item in self._held and self._held[lease.item].lease.token == lease.token:
+                sent = self._renew_sent.get(lease.item)
+                if sent is not None:
+                    rtts.append(now - sent)
                 self.on_granted([Lease(lease.item, lease.worker, lease.token, now, now + lease.ttl_s)], now)
+        return rtts
 
     def renewals_due(self, now: float) -> list[Token]:
         """Tokens to renew now (each asked once per lease period)."""
