@@ -96,6 +96,9 @@ class Harness:
         self.pools: list[Any] = []
 
     def start(self, name: str) -> None:
+        # until the new life is built (`observe`), the node is not there: its dead life's state must not
+        # pass for converged (it did, and the check then read a new life's engine holding nothing yet)
+        self.nodes.pop(name, None)
         spec = self.topo.node(name)
         t = self.net.transport(name, bind=spec.listen)
         self.transports[name] = t

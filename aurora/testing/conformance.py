@@ -124,10 +124,11 @@ async def check_backpressure(link: LinkFactory) -> None:
 
             task = asyncio.ensure_future(flood())
             try:
-                stalled_at = -1
-                for _ in range(50):  # until the sender stops (a slow link takes a while to fill the window)
-                    await asyncio.sleep(0.3)
-                    if sent == stalled_at:
+                stalled_at, still = -1, 0
+                for _ in range(60):  # until the sender stops for 1 s (aiortc's SCTP may pause it shorter)
+                    await asyncio.sleep(0.25)
+                    still = still + 1 if sent == stalled_at else 0
+                    if still == 4:
                         break
                     stalled_at = sent
                 assert stalled_at <= limit + 1, f"{lane.value}: sender got {stalled_at} messages ahead of {limit}"
