@@ -94,6 +94,7 @@ from aurora.events import (
     PARENT_FAILED,
     PARENT_LOST,
     PARENT_RETURN,
+    RESULTS_RESTORED,
     STEP,
     STORE_VERSION_UNUSABLE,
     TRAINER_RESUMED,
@@ -140,6 +141,7 @@ from aurora.runtime import (
     unwrap_group,
 )
 from aurora.store import DeltaStore
+from aurora.store.journal import Replayed, ResultJournal
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
     from aurora.transport.webrtc import WebRtcTransport
@@ -395,7 +397,19 @@ class Node:
             max_stale=self.topo.staleness.max_versions,
             max_life_s=self.topo.leases.max_life_s,
         )
-        prompts = (replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed))
+        replayed = Replayed([], 0, 0)
+        if store is not None:  # the acknowledged results no stored version trained on come back
+            self.board.journal, replayed = await in_thread(ResultJournal.open, store, version)
+            if latest is not None:
+                log.info(
+                    RESULTS_RESTORED,
+                    items=[c.prompt_id for _, c in replayed.pending],
+                    next=replayed.next_id,
+                    done=replayed.done,
+                )
+        prompts = (
+            replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed) if p.id >= replayed.next_id
+        )
         rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)
         self.pool = WorkPool(
             settings,
@@ -406,6 +420,7 @@ class Node:
             steps=self.topo.run.steps,
             mint=lambda: secrets.token_bytes(16),
         )
+        self.pool.samples = list(replayed.pending)
 
     async def open_store(self, store: Path | None) -> None:
         """A relay's or rollout's store: resume from its newest usable version (then catch up from the

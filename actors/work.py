@@ -43,11 +43,13 @@ from aurora.transport.base import Channel, Message
 from aurora.config.topology import LeaseSpec
 from aurora.errors import ActorDead, TransportClosed
 from aurora.events import (
+    BATCH_TAKEN,
     ENGINE_SWITCHED,
     LEASE_EXPIRED,
     LEASE_GIVEN_UP,
     LEASE_RENEWED,
     LEASES_GRANTED,
+    RESULT_ACCEPTED,
     RESULT_SENT,
     WORK_STARTED,
 )
@@ -67,6 +69,7 @@ from aurora.protocol.workpool import Accepted, Rejected, WorkPool, leases_in, re
 from aurora.rl.engines import Engine, WeightUpdate
 from aurora.rl.types import Completion, Prompt
 from aurora.runtime import Actor, in_thread, unwrap_group, wait_first
+from aurora.store.journal import ResultJournal
 
 log = structlog.get_logger("aurora.actors.work")
 
@@ -89,14 +92,32 @@ class WorkBoard:
     """Seconds the coordinator spent checking results (the result rules and the lease)."""
     results: int = 0
     """Results checked."""
+    journal: ResultJournal | None = None
+    """The trainer's record of acknowledged results (with a store): an accepted result is written to it
+    before its verdict leaves, a take before the learner steps on it (`aurora.store.journal`)."""
 
     async def take(self, pool: WorkPool, n: int, current: int) -> list[tuple[Prompt, Completion]]:
-        """Wait for `WorkPool.take` to hand over ``n`` results for version ``current``."""
+        """Wait for `WorkPool.take` to hand over ``n`` results for version ``current``; journalled
+        (with what the staleness rule dropped meanwhile) before it is returned."""
+        dropped: list[int] = []
         while (batch := pool.take(n, current)) is None:
+            dropped += pool.last_dropped
             self.more.clear()
             await self.more.wait()
+        dropped += pool.last_dropped
+        items = [c.prompt_id for _, c in batch]
+        if self.journal is not None:
+            await in_thread(self.journal.taken, items, current, dropped)
+        log.debug(BATCH_TAKEN, at=current, items=items, versions=[c.version for _, c in batch], dropped=dropped)
         self.room.set()
         return batch
+
+    async def accepted(self, worker: str, outcome: Accepted, current: int) -> None:
+        """Journal an accepted result (its verdict is sent after)."""
+        if self.journal is not None:
+            await in_thread(self.journal.accepted, outcome.prompt, outcome.completion)
+        c = outcome.completion
+        log.debug(RESULT_ACCEPTED, worker=worker, item=c.prompt_id, version=c.version, current=current)
 
 
 class Coordinator(Actor):
@@ -129,12 +150,14 @@ class Coordinator(Actor):
         if not isinstance(m, Want | Renew | Result):
             return
         t = time.perf_counter()
-        answer = self.pool.handle(m, now, self.flow.version or 0)
+        current = self.flow.version or 0
+        answer = self.pool.handle(m, now, current)
         if isinstance(m, Result):
             self.board.validate_s += time.perf_counter() - t
             self.board.results += 1
             self.board.room.set()  # its lease ended: room for a parked want, maybe
         if isinstance(answer.outcome, Accepted):
+            await self.board.accepted(m.w, answer.outcome, current)
             self.board.more.set()
         elif isinstance(answer.outcome, Rejected) and isinstance(m, Result):
             suppressed = _quiet.allow(f"rejected/{m.w}", now)

@@ -8,6 +8,7 @@ reserved for runtime failures of long-running commands.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -302,6 +303,19 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "several versions behind one composed delta). Default: none; a restarted trainer without "
         "one starts over at version 0",
     )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the trainer publishes N versions, instead of the topology's run.steps",
+    )
+    p.add_argument(
+        "--faults",
+        action="store_true",
+        help="accept fault-injection signals, as `aurora chaos` sends them: SIGUSR1 toggles a silent "
+        "partition from the node's planned parent, SIGUSR2 toggles not reading from it (for soak tests)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "json", "console"],
         help="log format (auto: console on a terminal, JSON lines otherwise)",
     )
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,delta,bench,keys,model,topology}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,chaos,delta,bench,keys,model,topology}")
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
@@ -349,6 +363,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="directory for the nodes' state (version stores, checkpoints, logs, metrics); "
         "default: runs/NAME-TIME. An existing one is resumed from.",
+    )
+    ch = sub.add_parser(
+        "chaos",
+        help="run a topology's cluster under injected faults and check its history",
+        description="Start every node of the topology on this machine as `aurora run` does (each with a "
+        "store, logging at debug level, accepting fault signals), inject faults on a schedule drawn "
+        "from --seed while the trainer publishes --steps versions — SIGKILL and restart of any node "
+        "(the trainer resumes from its store and its result journal), silent partitions of a node's "
+        "parent link and their heals, a node that stops reading from its parent — then let every "
+        "node reach the last version, stop them, and check the history of every lease, result, "
+        "verdict, publish and commit in their logs: no prompt accepted twice; every accepted result "
+        "within the staleness bound; versions committed in order on every node, each with the digest "
+        "the trainer published; every node holding the trainer's last version at the end; no result "
+        "the trainer acknowledged lost across its restarts. Prints the faults, the checks' counts and "
+        "the verdict; exits 1 with the first violation and the history around it.",
+    )
+    ch.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/tiny.yaml")
+    ch.add_argument("--steps", type=int, default=200, help="versions the trainer publishes (default 200)")
+    ch.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (default 0)")
+    ch.add_argument("--faults", type=int, default=None, help="faults to inject (default: one per 10 steps)")
+    ch.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="directory for the nodes' stores and logs (default runs/chaos-NAME-TIME)",
     )
     st = sub.add_parser(
         "status",
@@ -753,12 +792,20 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise AuroraError(f"--threads must be at least 1, not {args.threads}")
     if args.role is not None and args.role != role:
         raise AuroraError(f"{args.topology}: node {args.name!r} is a {role}, not a {args.role}")
+    if args.steps is not None:
+        if args.steps < 1:
+            raise AuroraError(f"--steps must be at least 1, not {args.steps}")
+        topo = dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=args.steps))
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if args.faults and (parent := tree.parent[args.name]) is not None:
+            from aurora.transport.faults import FAULTS
+
+            FAULTS.arm(loop, parent)
         await run_node(
             topo,
             tree,
@@ -793,6 +840,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         view.close()
     return 0
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from aurora.chaos import around, line, run_chaos
+
+    if args.steps < 4:
+        raise AuroraError(f"--steps must be at least 4, not {args.steps}")
+    if args.faults is not None and args.faults < 0:
+        raise AuroraError(f"--faults must be at least 0, not {args.faults}")
+    out = run_chaos(
+        args.topology,
+        steps=args.steps,
+        seed=args.seed,
+        faults=args.faults,
+        state=args.state,
+        progress=lambda s: print(s, flush=True),
+        cache=_default_cache(),
+    )
+    counts = ", ".join(f"{k} {v}" for k, v in out.report.counts.items())
+    print(f"{out.injected} of {len(out.faults)} faults injected in {out.seconds:.0f} s; checked: {counts}")
+    if not out.report.violations:
+        print("no violation: every invariant held")
+        return 0
+    first = out.report.violations[0]
+    print(f"VIOLATION ({first.rule}) on {first.node}: {first.what}")
+    print(f"{len(out.report.violations)} violation(s) in all; the history around the first:")
+    for e in around(out.history, first):
+        print("  " + line(e))
+    print(f"logs: {out.state}")
+    return 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -880,6 +957,7 @@ COMMANDS = {
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,
     ("run", None): cmd_run,
+    ("chaos", None): cmd_chaos,
     ("status", None): cmd_status,
 }
 

@@ -76,6 +76,15 @@ LEASE_RENEWED = "lease_renewed"
 `aurora bench sync` reports as the renewal latency under load)."""
 LEASE_EXPIRED = "lease_expired"
 """The trainer let a lease expire: ``worker``, ``item``, ``token``."""
+RESULT_ACCEPTED = "result_accepted"
+"""The trainer accepted a result, journalled before its verdict left (debug): ``worker``, ``item``, ``version``
+(the result's), ``current`` (the trainer's)."""
+BATCH_TAKEN = "batch_taken"
+"""The learner took results at version ``at`` (to make ``at + 1``) (debug): ``items``, ``versions``, and the
+``dropped`` items the staleness rule dropped meanwhile."""
+RESULTS_RESTORED = "results_restored"
+"""A resumed trainer took back the acknowledged results no stored version trained on (its result journal,
+`aurora.store.journal`): ``items``, ``next`` (the first prompt id it issues), ``done``."""
 
 # -- supervision (aurora.runtime.supervisor)
 CHILD_EXITED = "child_exited"

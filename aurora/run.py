@@ -35,7 +35,15 @@ from aurora.actors.status import STATUS_EVERY_S, fetch_status, render
 from aurora.config.plan import Tree, plan
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
-from aurora.events import NODE_STARTED, PARENT_ATTACHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.events import (
+    NODE_RESUMED,
+    NODE_STARTED,
+    PARENT_ATTACHED,
+    STEP,
+    TRAINER_RESUMED,
+    VERSION_COMMITTED,
+    VERSION_PUBLISHED,
+)
 from aurora.logs import read_events
 from aurora.metrics import collect, plot, write_jsonl
 from aurora.protocol.messages import Snapshot
@@ -61,8 +69,23 @@ class NodeStatus:
 
 
 class Cluster:
-    def __init__(self, path: Path, topo: Topology, tree: Tree, state: Path) -> None:
+    def __init__(
+        self,
+        path: Path,
+        topo: Topology,
+        tree: Tree,
+        state: Path,
+        *,
+        node_args: tuple[str, ...] = (),
+        log_level: str | None = None,
+    ) -> None:
         self.path = path
+        self.node_args = node_args
+        """More `aurora node` options for every node (`aurora chaos`: ``--faults``, ``--steps``)."""
+        self.log_level = log_level
+        self.lives: dict[str, int] = {}
+        """How often each node was started: its first life logs to ``NAME.log``, the k-th restart to
+        ``NAME.life{k}.log`` (`log_path`)."""
         self.state = state
         state.mkdir(parents=True, exist_ok=True)
         self.topo = topo
@@ -83,16 +106,38 @@ class Cluster:
             frontier = [c for p in frontier for c in self.tree.children(p)]
         return out
 
+    def log_path(self, name: str, life: int = 0) -> Path:
+        return self.state / (f"{name}.log" if life == 0 else f"{name}.life{life}.log")
+
     def start(self, name: str) -> None:
-        argv = node_argv(self.path, name, "--store", str(self.state / name), "--threads", str(self.codec_threads))
+        """Start node ``name`` (again, after `kill`: it resumes from its store)."""
+        argv = node_argv(
+            self.path,
+            name,
+            "--store",
+            str(self.state / name),
+            "--threads",
+            str(self.codec_threads),
+            *self.node_args,
+            log_level=self.log_level,
+        )
         env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
+        life = self.lives.get(name, -1) + 1
+        self.lives[name] = life
+        with self._lock:
+            st = self.status[name]
+            st.listening, st.parent = False, None
         p = start_group(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         self.procs[name] = p
         assert p.stderr is not None
-        threading.Thread(target=self._read, args=(name, p.stderr), daemon=True).start()
+        threading.Thread(target=self._read, args=(name, p.stderr, self.log_path(name, life)), daemon=True).start()
 
-    def _read(self, name: str, stream: IO[bytes]) -> None:
-        with (self.state / f"{name}.log").open("ab") as keep:
+    def kill(self, name: str) -> None:
+        """SIGKILL node ``name``'s process group (a crash: nothing is flushed or said goodbye)."""
+        end_groups([self.procs.pop(name)], close_pipes=False)
+
+    def _read(self, name: str, stream: IO[bytes], path: Path) -> None:
+        with path.open("ab") as keep:
             for raw in stream:
                 keep.write(raw)
                 keep.flush()
@@ -108,7 +153,7 @@ class Cluster:
                 st = self.status[name]
                 st.last = line[:300]
                 ev = e.get("event")
-                if ev in (VERSION_COMMITTED, VERSION_PUBLISHED):
+                if ev in (VERSION_COMMITTED, VERSION_PUBLISHED, NODE_RESUMED, TRAINER_RESUMED):
                     st.version = int(e["version"])
                 elif ev == PARENT_ATTACHED:
                     st.parent = str(e.get("parent"))

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 import structlog
 from aurora.transport.base import Message, check_frame
+from aurora.transport.faults import FAULTS
 
 from aurora.errors import TransportClosed
 from aurora.events import BAD_MESSAGE, CHANNEL_CLOSED
@@ -137,6 +138,8 @@ class ChannelBase:
         while not self.link.try_send(lane, size):  # raises TransportClosed once closed
             self._writable.clear()
             await self._writable.wait()
+        if FAULTS.silenced(self.peer):
+            return  # an injected partition: lost on the way
         try:
             await self._transmit(header, buffers)
         except asyncio.CancelledError:
@@ -149,6 +152,7 @@ class ChannelBase:
         `TransportClosed` (with the reason) once closed. Cancellation-safe."""
         lanes = (Lane.CONTROL, Lane.BULK) if lane is None else (lane,)
         while True:
+            await FAULTS.until_readable(self.peer, self._closed_ev)
             for one in lanes:
                 if self._inbox[one]:
                     msg, size = self._inbox[one].popleft()
@@ -194,6 +198,8 @@ class ChannelBase:
 
     # -- for the transport's receive path and timer
     def _received(self, frame: LinkFrame, message: Message | None = None) -> None:
+        if FAULTS.silenced(self.peer):
+            return
         if message is None:
             self._do(self.link.received(frame, self.clock.now()))
             return
@@ -212,6 +218,8 @@ class ChannelBase:
         self._received(frame, Message(msg, buffers))
 
     def _heard(self) -> None:
+        if FAULTS.silenced(self.peer):
+            return
         self.link.heard(self.clock.now())
 
     def _tick(self, now: float) -> None:
@@ -225,7 +233,8 @@ class ChannelBase:
         """Execute the link's outputs, in order."""
         for out in outputs:
             if isinstance(out, SendFrame):
-                self._send_control(out.frame)
+                if not FAULTS.silenced(self.peer):
+                    self._send_control(out.frame)
             elif isinstance(out, Deliver):
                 self._inbox[out.lane].append((out.message, out.size))
                 self._arrived.set()

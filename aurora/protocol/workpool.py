@@ -154,6 +154,8 @@ class WorkPool:
     accepted: int = 0
     dropped_stale: int = 0
     """Accepted results that grew too stale before the learner took them."""
+    last_dropped: list[int] = field(default_factory=list)
+    """The prompt ids of the results the last `take` dropped as too stale (a driver journals them)."""
     rejected: Counter[str] = field(default_factory=Counter)
     log: deque[tuple[int, str, int, int]] = field(default_factory=lambda: deque(maxlen=100_000))
     """Recent acceptances: (prompt id, worker, result's version, trainer's version then)."""
@@ -344,7 +346,8 @@ class WorkPool:
         first (a newer result can wait for the next step, an older one could not), in order of
         acceptance within a version; older ones are dropped. None: not enough yet."""
         fresh = [s for s in self.samples if current - s[1].version <= self.max_stale]
-        self.dropped_stale += len(self.samples) - len(fresh)
+        self.last_dropped = [c.prompt_id for _, c in self.samples if current - c.version > self.max_stale]
+        self.dropped_stale += len(self.last_dropped)
         self.samples = fresh
         if len(fresh) < n:
             return None
