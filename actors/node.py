@@ -1,12 +1,11 @@
-"""One node of a topology as a process: a root supervisor over the node's actors.
+"""A node's actors, and `Node`: the state that outlives them.
 
-`run_node` is the composition root for ``aurora node``. The node's state —
-its `VersionFlow` (weights and recent deltas), its place in the tree, the
-work routes, the trainer's `WorkPool` and store, a rollout's engine — is made
-here and outlives its actors; the actors run under one `Supervisor`
-(one_for_one), so a crashed actor restarts from that state, and a crash loop
-escalates (`RestartIntensityExceeded`): the node exits non-zero saying which
-actor and why. The actors:
+`aurora.node.run_node` (the composition root of ``aurora node``) builds a `Node` — its
+`VersionFlow` (weights and recent deltas), its place in the tree, the work routes, the trainer's
+`WorkPool` and store, a rollout's engine — and runs the actors under one `Supervisor`
+(one_for_one), so a crashed actor restarts from that state. Each actor is given the narrow part it
+works on: the publisher its learner, pool, board, flow and status; the reporter a report and the way
+up; the tree's actors (children, uplink) a `TreeView` of the node. The actors:
 
 * ``children`` (trainer, relays): accepts child connections; each child's
   first message is a `Hello`; then its `Have` reports go to the flow and its
@@ -54,58 +53,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import secrets
 from collections.abc import Callable
-from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import msgspec
 import structlog
-from aurora.actors.coding import CodingPolicy
 from aurora.actors.flow import VersionFlow
 from aurora.actors.status import STATUS_EVERY_S, ClusterStatus
 from aurora.actors.work import (
-    Coordinator,
     Routes,
+    Send,
     WorkBoard,
-    Worker,
     WorkerStats,
     send_or_drop,
     tell_or_drop,
 )
 from aurora.transport.base import Channel, Transport
-from aurora.transport.zmq import LinkConfig, ZmqTransport
 
-from aurora.auth.keys import OPERATOR, NodeKeys, exposed_nodes, load_node_keys
-from aurora.auth.seal import Sealer, SealVerifier, state_hash, weights_layout
+from aurora.auth.keys import OPERATOR, NodeKeys
+from aurora.auth.seal import SealVerifier
 from aurora.codec import Weights
-from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
-from aurora.config.rl import EngineSpec
-from aurora.config.topology import Topology, WebRtcSpec
-from aurora.errors import AuroraError, AuthError, ConfigError, StoreError, TransportClosed, peer_fault
+from aurora.config.topology import Role, Topology, WebRtcSpec
+from aurora.errors import AuroraError, TransportClosed, peer_fault
 from aurora.events import (
     CHILD_ATTACHED,
-    NODE_RESUMED,
-    NODE_STARTED,
     PARENT_ATTACHED,
     PARENT_FAILED,
     PARENT_LOST,
     PARENT_RETURN,
-    RESULTS_RESTORED,
     STEP,
-    STORE_VERSION_UNUSABLE,
-    TRAINER_RESUMED,
     VERSION_SYNCED,
     WEBRTC_PARENT_CONNECTED,
 )
 from aurora.protocol import membership
-from aurora.protocol.leases import LeaseHolder
 from aurora.protocol.messages import (
     DOWN,
-    MAX_MANIFEST_BYTES,
     UP,
     AppMessage,
     DeltaChunk,
@@ -125,31 +108,23 @@ from aurora.protocol.messages import (
     StatusSnapshot,
     Want,
 )
-from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
-from aurora.rl.engines import make_engine
-from aurora.rl.learners import Learner, make_learner
-from aurora.rl.tasks import make_task
+from aurora.protocol.workpool import WorkPool
+from aurora.rl.learners import Learner
 from aurora.runtime import (
     Actor,
     ActorRef,
-    ChildSpec,
     Clock,
     LoopClock,
     Supervisor,
-    cancel_and_wait,
     in_thread,
     unwrap_group,
 )
 from aurora.store import DeltaStore
-from aurora.store.journal import Replayed, ResultJournal
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
     from aurora.transport.webrtc import WebRtcTransport
 
 log = structlog.get_logger("aurora.node")
-
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 30.0
 
 
 class NodeTransport(Transport, Protocol):
@@ -160,133 +135,30 @@ class NodeTransport(Transport, Protocol):
     async def disconnect(self, peer: str) -> None: ...
 
 
-async def run_node(
-    topo: Topology,
-    tree: Tree,
-    name: str,
-    stop: asyncio.Event,
-    *,
-    file: str | None = None,
-    store: Path | None = None,
-    transport: NodeTransport | None = None,
-    observe: Callable[[Node], None] | None = None,
-    insecure: bool = False,
-    threads: int | None = None,
-    clock: Clock | None = None,
-) -> None:
-    """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
+class TreeView(Protocol):
+    """What the tree's actors — ``children`` and ``uplink`` — use of their node: its name, place and
+    keys, its versions, the work routes and pool, the links up and down, and its status. Nothing of
+    its learner, engine, store or the factory that built it."""
 
-    ``store``: the node's version store (resume from its latest usable version); None keeps none.
-    ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
-    ``observe``: called with the `Node` once it is built (tests read its state).
-    ``insecure``: run without keys although some node listens beyond loopback.
-    ``threads``: cores the codec uses per version (None: `default_threads`).
-    ``clock``: what every timer and deadline of the node reads — its actors, supervisor, flow and
-    transports (default: real time; a test's `aurora.runtime.VirtualClock` runs the node in
-    virtual time; a ``transport`` given brings its own, which should be the same)."""
-    clock = clock or LoopClock()
-    try:
-        spec = topo.node(name)
-    except KeyError:
-        raise ConfigError(
-            f"no node named {name!r} (nodes: {', '.join(n.name for n in topo.nodes)})", file=file
-        ) from None
-    keys = load_node_keys(topo, name, file)
-    exposed = exposed_nodes(topo) if transport is None else []  # a test's in-memory links listen nowhere
-    if not keys.secure and exposed and not insecure:
-        raise ConfigError(
-            f"{', '.join(exposed)} listen beyond loopback, and the topology has no keys: anyone who "
-            "can reach them could join the tree. Make keys (aurora keys generate --topology FILE, "
-            "then keys: {dir: ...}) or pass --insecure",
-            file=file,
-            path="keys",
-        )
-    hb = topo.heartbeat
-    cfg = LinkConfig(
-        heartbeat_s=hb.interval_s,
-        suspect_after_s=hb.suspect_after_s,
-        lost_after_s=hb.lost_after_s,
-        max_frame_bytes=MAX_MANIFEST_BYTES + 64 * 1024,  # the largest message a node sends
-    )
-    structlog.contextvars.bind_contextvars(node=name, role=spec.role, region=spec.region)
-    if not keys.secure:
-        log.warning("unauthenticated", detail="no keys: peers are not authenticated and versions are not signed")
-    node = Node(
-        name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads), clock=clock
-    )
-    await in_thread(warm_up)  # compile/load the codec kernels now, not during the first version
-    if spec.role == "trainer":
-        await node.open_trainer(store)
-    else:
-        await node.open_store(store)
-        if spec.role == "rollout" and topo.engine is not None:
-            node.engine = await in_thread(make_engine, topo.engine)
-    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys, clock=clock)
-    if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
-        node.rtc = _rtc(topo, name, file, clock)
-    if observe is not None:
-        observe(node)
-    parent = tree.parent[name]
-    specs = _actor_specs(node, zt, tree, cfg.lost_after_s)
-    sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2, clock=clock)
-    node.sup = sup
-    with unwrap_group():  # one error (a crash loop, a bind failure): raised as itself
-        async with asyncio.TaskGroup() as tg:
-            await zt.start_in(tg)
-            if node.rtc is not None:
-                await node.rtc.start_in(tg)
-            node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
-            sup_task = await sup.start_in(tg)
-            log.info(
-                NODE_STARTED,
-                listen=zt.address or None,
-                parent=parent,
-                actors=[c.name for c in specs],
-                codec_threads=node.threads,
-                authenticated=keys.secure,
-            )
-            stopping = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                await cancel_and_wait(stopping)
-            log.info("node_stopping")
-            sup.stop()
-            try:
-                await sup_task  # raises RestartIntensityExceeded if that is why it ended
-            finally:
-                await zt.close()
+    name: str
+    topo: Topology
+    clock: Clock
+    keys: NodeKeys
+    role: dict[str, Role]
+    place: membership.Place
+    routes: Routes
+    pool: WorkPool | None
+    rtc: WebRtcTransport | None
+    parent: Channel | None
+    flow: VersionFlow
 
-
-def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float) -> list[ChildSpec]:
-    """The node's actors by role, in start order (see the module docstring)."""
-    name, topo = node.name, node.topo
-    spec, parent = topo.node(name), tree.parent[name]
-    specs: list[ChildSpec] = []
-    if spec.listen is not None:
-        specs.append(ChildSpec("children", actor=lambda: _Children(node, zt)))
-    if parent is not None:
-        specs.append(ChildSpec("uplink", actor=lambda: _Uplink(node, zt, lost_after_s)))
-    if node.pool is not None:
-        pool, board = node.pool, node.board
-        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, board, node.flow, node.down)))
-        specs.append(ChildSpec("publisher", actor=lambda: _Publisher(node), restart="transient"))
-    if spec.role != "trainer":
-        specs.append(ChildSpec("reporter", actor=lambda: _Reporter(node)))
-    if node.engine is not None:
-        engine, holder, stats = node.engine, LeaseHolder(name), node.worker_stats
-        specs.append(
-            ChildSpec(
-                "worker",
-                actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases, holder, stats, node.wait_attached),
-            )
-        )
-    return specs
-
-
-def default_threads() -> int:
-    """The codec's cores when none are given: all this process may run on but one (at least one)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    def ref(self, actor: str) -> ActorRef | None: ...
+    def report(self) -> NodeReport: ...
+    def on_status_message(self, m: Held | Status) -> None: ...
+    def snapshot(self) -> StatusSnapshot: ...
+    async def up(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool: ...
+    async def down(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool: ...
+    async def tell_children(self, update: PathUpdate) -> None: ...
 
 
 class Node:
@@ -320,7 +192,7 @@ class Node:
         self._parent_moved = asyncio.Event()
         self.verifier = SealVerifier(self.keys.verifier)
         self.flow: VersionFlow
-        """The node's versions: built once, by `open_trainer` or `open_store`, from what the node starts with."""
+        """The node's versions: built once (`aurora.node.open_trainer` or `open_store`), from what the node starts with."""
         self.routes = Routes()
         self.pool: WorkPool | None = None
         self.board = WorkBoard()
@@ -351,132 +223,6 @@ class Node:
         while self._parent is None or self._parent.closed:  # a closed one is replaced (None, then the next)
             self._parent_moved.clear()
             await self._parent_moved.wait()
-
-    async def open_trainer(self, store: Path | None) -> None:
-        """The learner, version 0 (or the store's latest), and the work pool on the task's prompts."""
-        task = make_task(self.topo.task)
-        if store is not None:
-            self.store = DeltaStore(store)
-        engine = self.topo.engine or EngineSpec()
-        learner = make_learner(
-            self.topo.learner,
-            model=self.topo.model,
-            task=task,
-            temperature=engine.temperature,
-            checkpoint_dir=None if store is None else store / "checkpoints",
-            chat=self.topo.task.chat,
-        )
-        self.learner = learner
-        sealer = Sealer(self.keys.signer, self.store.run if self.store is not None else secrets.token_bytes(16))
-        latest = None if self.store is None else self.store.latest()
-        if latest is None:
-            weights, version = await in_thread(learner.initial), 0
-        else:
-            assert self.store is not None
-            try:
-                weights = await in_thread(self.store.get, latest)
-            except StoreError as e:
-                raise StoreError(f"the trainer cannot resume from its store: {e}") from None
-            version = latest
-            await in_thread(learner.restore, weights, version)
-            log.info(TRAINER_RESUMED, version=version, store=str(store), digest=weights.digest().hex()[:16])
-        self.flow = self._flow(
-            weights,
-            version,
-            sealer=sealer,
-            coding=CodingPolicy.of(self.topo, self.tree, lambda: self.status.slowest_link(self.clock.now())),
-        )
-        seal = await in_thread(self.flow.first_seal)
-        if self.store is not None and latest is None:
-            await in_thread(self.store.put_anchor, 0, weights, seal=seal)
-        settings = PoolSettings(
-            ttl_s=self.topo.leases.ttl_s,
-            prompts_per_lease=self.topo.leases.prompts_per_lease,
-            batch_s=self.topo.leases.batch_s,
-            ahead_steps=self.topo.leases.ahead_steps,
-            max_stale=self.topo.staleness.max_versions,
-            max_life_s=self.topo.leases.max_life_s,
-        )
-        replayed = Replayed([], 0, 0)
-        if store is not None:  # the acknowledged results no stored version trained on come back
-            self.board.journal, replayed = await in_thread(ResultJournal.open, store, version)
-            if latest is not None:
-                log.info(
-                    RESULTS_RESTORED,
-                    items=[c.prompt_id for _, c in replayed.pending],
-                    next=replayed.next_id,
-                    done=replayed.done,
-                )
-        prompts = (
-            replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed) if p.id >= replayed.next_id
-        )
-        rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)
-        self.pool = WorkPool(
-            settings,
-            prompts,
-            rules,
-            group_size=learner.group_size,
-            batch=learner.batch_size,
-            steps=self.topo.run.steps,
-            mint=lambda: secrets.token_bytes(16),
-        )
-        self.pool.samples = list(replayed.pending)
-
-    async def open_store(self, store: Path | None) -> None:
-        """A relay's or rollout's store: resume from its newest usable version (then catch up from the
-        parent). A version that is unreadable, or whose seal does not verify, is skipped and logged.
-        Without a store, or with none usable, the node starts holding nothing."""
-        if store is not None:
-            self.store = DeltaStore(store)
-            for v in reversed(self.store.versions()):
-                try:
-                    weights, seal = await in_thread(self._resume_from, v)
-                except (StoreError, AuthError) as e:
-                    log.warning(STORE_VERSION_UNUSABLE, version=v, store=str(store), error=str(e))
-                    continue
-                log.info(NODE_RESUMED, version=v, store=str(store), digest=weights.digest().hex()[:16])
-                self.flow = self._flow(weights, v, seal=seal)
-                return
-        self.flow = self._flow(None, None)
-
-    def _flow(
-        self,
-        weights: Weights | None,
-        version: int | None,
-        *,
-        seal: Any = None,
-        sealer: Sealer | None = None,
-        coding: CodingPolicy | None = None,
-    ) -> VersionFlow:
-        """The node's `VersionFlow`, from what it starts with (the one place it is built)."""
-        return VersionFlow(
-            self.name,
-            weights,
-            version,
-            full_weights=self.topo.sync.full_weights,
-            store=self.store,
-            sealer=sealer,
-            verifier=self.verifier,
-            seal=seal,
-            threads=self.threads,
-            coding=coding,
-            clock=self.clock,
-        )
-
-    def _resume_from(self, v: int) -> tuple[Weights, Any]:
-        """Version ``v`` from the store, checked against its seal (state hash: O(weights), once)."""
-        assert self.store is not None
-        weights = self.store.get(v)
-        wire = self.store.seal(v)
-        if self.verifier.authenticates:
-            if wire is None:
-                raise AuthError(f"version {v} in {self.store.root} was stored without a seal")
-            seal = self.verifier.open(wire)
-            if seal.v != v or seal.digest != weights.digest() or seal.layout != weights_layout(weights):
-                raise AuthError(f"version {v}'s stored seal does not describe the stored weights")
-            if state_hash(weights) != seal.state:
-                raise AuthError(f"version {v} in {self.store.root} does not hash to its sealed state")
-        return weights, wire
 
     def ref(self, actor: str) -> ActorRef | None:
         assert self.sup is not None
@@ -536,35 +282,48 @@ class Node:
                 await ch.send(update)
 
 
-class _Publisher(Actor):
+class PublisherActor(Actor):
     """The trainer's learner loop: take a batch, step, publish (stored before its seal leaves).
 
     The learner's next step overlaps the last one's publication: while version ``v`` is encoded
     and sent, the learner already takes its batch at ``v`` (the weights it holds) and trains
     ``v + 1``. Versions still go out in order, one at a time: ``v + 1`` is published once ``v``
     is. A learner that fails lets the publication in flight finish first, so every version the
-    flow holds is one the learner made."""
+    flow holds is one the learner made. ``deliver`` False: versions are adopted, not sent (the
+    sync-free ideal of `aurora bench rl`)."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        learner: Learner,
+        pool: WorkPool,
+        board: WorkBoard,
+        flow: VersionFlow,
+        status: ClusterStatus,
+        steps: int,
+        deliver: bool,
+    ) -> None:
+        self.learner = learner
+        self.pool = pool
+        self.board = board
+        self.flow = flow
+        self.status = status
+        self.steps = steps
+        self.deliver = deliver
 
     async def main(self) -> None:
-        node, learner, pool = self.node, self.node.learner, self.node.pool
-        assert learner is not None
-        assert pool is not None
-        steps = node.topo.run.steps
-        learned = node.flow.version or 0  # the learner's weights: published, or being published
+        learned = self.flow.version or 0  # the learner's weights: published, or being published
         with unwrap_group():
-            await self._steps(learner, pool, steps, learned)
-        log.info("steps_done", steps=steps, version=node.flow.version)
+            await self._steps(learned)
+        log.info("steps_done", steps=self.steps, version=self.flow.version)
 
-    async def _steps(self, learner: Learner, pool: WorkPool, steps: int, learned: int) -> None:
-        node = self.node
+    async def _steps(self, learned: int) -> None:
+        learner = self.learner
         async with asyncio.TaskGroup() as tg:
             publishing: asyncio.Task[None] | None = None
-            while learned < steps:
+            while learned < self.steps:
                 if learner.batch_size:
-                    batch = await node.board.take(pool, learner.batch_size, learned)
+                    stored = self.flow.version if self.deliver else None  # adopted versions are not stored
+                    batch = await self.board.take(self.pool, learner.batch_size, learned, stored)
                 else:
                     await self.clock.sleep(learner.interval_s)
                     batch = []
@@ -580,37 +339,37 @@ class _Publisher(Actor):
                 publishing = tg.create_task(self._publish(new, len(batch), dict(learner.stats)))
 
     async def _publish(self, new: Weights, results: int, stats: dict[str, Any]) -> None:
-        node, pool = self.node, self.node.pool
-        assert pool is not None
-        node.status.on_published((node.flow.version or 0) + 1, self.clock.now())
-        if node.topo.sync.deliver:
-            v = await node.flow.publish(new)  # stored before its seal leaves
+        flow, board = self.flow, self.board
+        self.status.on_published((flow.version or 0) + 1, self.clock.now())
+        if self.deliver:
+            v = await flow.publish(new)  # stored before its seal leaves
         else:
-            v = await node.flow.adopt(new)
-        board = node.board
+            v = await flow.adopt(new)
         board.room.set()  # a new version: work for it may be leased now
         checks = {"validate_us": round(1e6 * board.validate_s / board.results, 2) if board.results else None}
-        node.status.step = {"version": v, **stats, **node.flow.last_published}
-        log.info(STEP, version=v, results=results, **stats, **pool.stats(), **checks)
+        self.status.step = {"version": v, **stats, **flow.last_published}
+        log.info(STEP, version=v, results=results, **stats, **self.pool.stats(), **checks)
 
 
-class _Reporter(Actor):
+class ReporterActor(Actor):
     """Sends this node's status report up the tree every `STATUS_EVERY_S`."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, name: str, report: Callable[[], NodeReport], up: Send) -> None:
+        self.name = name
+        self.report = report
+        self.up = up
 
     async def main(self) -> None:
         while True:
-            await self.node.up(Status(n=self.node.name, r=self.node.report()), ())
+            await self.up(Status(n=self.name, r=self.report()), ())
             await self.clock.sleep(STATUS_EVERY_S)
 
 
-class _Children(Actor):
+class ChildrenActor(Actor):
     """Accepts child connections and serves each in its own task; closes them all when it stops
     (so that children notice a restart of this actor and attach again)."""
 
-    def __init__(self, node: Node, zt: NodeTransport) -> None:
+    def __init__(self, node: TreeView, zt: NodeTransport) -> None:
         self.node = node
         self.zt = zt
         self.open: set[Channel] = set()
@@ -637,7 +396,7 @@ class _Children(Actor):
         self.open.discard(ch)  # served to its end; a crash or a cancellation leaves it to `main` to close
 
 
-async def _child(node: Node, ch: Channel) -> None:
+async def _child(node: TreeView, ch: Channel) -> None:
     """Serve one child channel. Whatever goes wrong here closes this channel and no other."""
     try:
         await _serve_child(node, ch)
@@ -654,7 +413,7 @@ async def _child(node: Node, ch: Channel) -> None:
             node.flow.remove_child(ch.peer)
 
 
-async def _serve_child(node: Node, ch: Channel) -> None:
+async def _serve_child(node: TreeView, ch: Channel) -> None:
     flow, place = node.flow, node.place
     hello = (await ch.recv()).msg
     if isinstance(hello, StatusQuery):
@@ -689,7 +448,7 @@ async def _serve_child(node: Node, ch: Channel) -> None:
             await _from_child(node, ch)
 
 
-async def _from_child(node: Node, ch: Channel) -> None:
+async def _from_child(node: TreeView, ch: Channel) -> None:
     """Everything a child sends after its hello (until its channel closes)."""
     coordinator = node.ref("coordinator")
     while True:
@@ -727,13 +486,13 @@ class _Left(Exception):
         self.leave = leave
 
 
-class _Uplink(Actor):
+class UplinkActor(Actor):
     """Keeps this node attached to the first parent in its order that accepts it: the driver of a
     `membership.Uplink`. It sleeps until the machine's next deadline, dials the parent it names, feeds
     it what that parent says and does, carries out its commands and logs its events. Its time is the
     actor's clock (the node's): the machine's ``now`` and every wait."""
 
-    def __init__(self, node: Node, zt: NodeTransport, lost_after_s: float) -> None:
+    def __init__(self, node: TreeView, zt: NodeTransport, lost_after_s: float) -> None:
         self.node = node
         self.zt = zt
         self.lost_after_s = lost_after_s
@@ -888,7 +647,7 @@ class _Uplink(Actor):
                 ch.fault(f"a {type(m).__name__} from the parent")
 
 
-def _log_membership(node: Node, e: membership.Event) -> None:
+def _log_membership(node: TreeView, e: membership.Event) -> None:
     if isinstance(e, membership.ParentAttached):
         log.info(PARENT_ATTACHED, parent=e.parent, version=node.flow.version, path=list(e.path), planned=e.planned)
     elif isinstance(e, membership.ParentRefused):
@@ -903,7 +662,7 @@ def _log_membership(node: Node, e: membership.Event) -> None:
         log.info(PARENT_RETURN, parent=e.parent, to=e.to, reason=e.reason)
 
 
-async def _probe(node: Node, zt: NodeTransport, parent: str, timeout_s: float) -> object:
+async def _probe(node: TreeView, zt: NodeTransport, parent: str, timeout_s: float) -> object:
     """Ask ``parent`` whether it would take this node now (a `Hello` probe: answered, then closed).
     Returns its answer, None if there was none within ``timeout_s`` (or it could not be reached)."""
     addr = node.topo.node(parent).listen
@@ -918,31 +677,6 @@ async def _probe(node: Node, zt: NodeTransport, parent: str, timeout_s: float) -
             await zt.disconnect(parent)
     except (TransportClosed, TimeoutError, AuroraError):
         return None
-
-
-def _rtc(topo: Topology, name: str, file: str | None, clock: Clock) -> WebRtcTransport:
-    try:
-        from aurora.transport.webrtc import IceServer, RtcConfig, WebRtcTransport
-    except ImportError as e:
-        raise ConfigError(
-            f"this topology uses WebRTC, which needs the webrtc extra (pip install 'aurora-rl[webrtc]'): {e}", file=file
-        ) from None
-    spec = topo.node(name)
-    hb = topo.heartbeat
-    ice: tuple[IceServer, ...] = ()
-    if isinstance(spec.transport, WebRtcSpec):
-        if spec.transport.rendezvous not in (None, spec.parent):
-            i = next(k for k, n in enumerate(topo.nodes) if n.name == name)
-            raise ConfigError(
-                "a rendezvous other than the node's parent is not supported yet (leave it unset)",
-                file=file,
-                path=f"nodes[{i}].transport.rendezvous",
-            )
-        ice = tuple(IceServer(s.urls, s.username, s.credential) for s in spec.transport.ice_servers)
-    cfg = RtcConfig(
-        ice_servers=ice, heartbeat_s=hb.interval_s, suspect_after_s=hb.suspect_after_s, lost_after_s=hb.lost_after_s
-    )
-    return WebRtcTransport(name, cfg, accepting=spec.listen is not None, clock=clock)
 
 
 async def _dial_webrtc(
@@ -969,4 +703,4 @@ async def _signalling(rtc: WebRtcTransport, ch: Channel) -> None:
     await rtc.serve_signalling(ch, stamp=True)
 
 
-__all__ = ["Node", "run_node"]
+__all__ = ["ChildrenActor", "Node", "NodeTransport", "PublisherActor", "ReporterActor", "TreeView", "UplinkActor"]

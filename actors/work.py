@@ -96,9 +96,12 @@ class WorkBoard:
     """The trainer's record of acknowledged results (with a store): an accepted result is written to it
     before its verdict leaves, a take before the learner steps on it (`aurora.store.journal`)."""
 
-    async def take(self, pool: WorkPool, n: int, current: int) -> list[tuple[Prompt, Completion]]:
+    async def take(
+        self, pool: WorkPool, n: int, current: int, stored: int | None = None
+    ) -> list[tuple[Prompt, Completion]]:
         """Wait for `WorkPool.take` to hand over ``n`` results for version ``current``; journalled
-        (with what the staleness rule dropped meanwhile) before it is returned."""
+        (with what the staleness rule dropped meanwhile) before it is returned. ``stored``: the newest
+        version the trainer has stored, by which a journal grown too big is compacted."""
         dropped: list[int] = []
         while (batch := pool.take(n, current)) is None:
             dropped += pool.last_dropped
@@ -108,6 +111,8 @@ class WorkBoard:
         items = [c.prompt_id for _, c in batch]
         if self.journal is not None:
             await in_thread(self.journal.taken, items, current, dropped)
+            if stored is not None and await in_thread(self.journal.too_big):
+                await in_thread(self.journal.compact, stored)
         log.debug(BATCH_TAKEN, at=current, items=items, versions=[c.version for _, c in batch], dropped=dropped)
         self.room.set()
         return batch

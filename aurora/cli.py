@@ -778,9 +778,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from aurora.actors.node import run_node
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
+    from aurora.node import run_node
 
     topo = load_topology(args.topology)
     tree = plan(topo, str(args.topology))

@@ -132,6 +132,14 @@ class Cluster:
         assert p.stderr is not None
         threading.Thread(target=self._read, args=(name, p.stderr, self.log_path(name, life)), daemon=True).start()
 
+    def start_all(self, progress: Progress) -> None:
+        """Start every node, parents first: each child once its parent is ready (`wait_ready`)."""
+        progress(f"starting {len(self.topo.nodes)} nodes of {self.topo.name!r} (parents first)")
+        for name in self.order():
+            if (parent := self.tree.parent[name]) is not None:
+                self.wait_ready(parent, ATTACH_TIMEOUT_S)
+            self.start(name)
+
     def kill(self, name: str) -> None:
         """SIGKILL node ``name``'s process group (a crash: nothing is flushed or said goodbye)."""
         end_groups([self.procs.pop(name)], close_pipes=False)
@@ -298,7 +306,7 @@ def report(trainer_log: Path, state: Path, title: str, progress: Progress) -> No
 
 
 def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, NodeStatus]:
-    topo, tree = cluster.topo, cluster.tree
+    topo = cluster.topo
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -307,11 +315,7 @@ def _run(cluster: Cluster, progress: Progress, interval_s: float) -> dict[str, N
 
     old = signal.signal(signal.SIGTERM, on_signal)
     try:
-        progress(f"starting {len(topo.nodes)} nodes of {topo.name!r} (parents first)")
-        for name in cluster.order():
-            if (parent := tree.parent[name]) is not None:
-                cluster.wait_ready(parent, ATTACH_TIMEOUT_S)
-            cluster.start(name)
+        cluster.start_all(progress)
         last = 0.0
         while not stopping and not cluster.done():
             if (why := cluster.died()) is not None:

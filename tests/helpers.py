@@ -105,11 +105,11 @@ async def run_in_process(
     import asyncio
     import contextlib
 
-    from aurora.actors.node import run_node
     from structlog.testing import capture_logs
 
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
+    from aurora.node import run_node
     from aurora.testing.links import LinkNet
 
     path = tmp_path / "topology.yaml"

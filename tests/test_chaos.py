@@ -222,3 +222,19 @@ async def test_a_node_that_stops_reading_leaves_its_messages_queued_until_it_rea
         assert (await asyncio.wait_for(reading, 5)).msg == Want(w="x", n=1)
     finally:
         FAULTS.unread.discard("parent")
+
+
+def test_a_running_trainer_compacts_a_journal_grown_too_big(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aurora.store.journal as journal
+
+    j, _ = ResultJournal.open(tmp_path, 0)
+    for i in range(4):
+        j.accepted(*_result(i, 0))
+    j.taken([0, 1], at=0)
+    j.taken([2], at=1)
+    monkeypatch.setattr(journal, "COMPACT_BYTES", 100)
+    assert j.too_big()
+    kept = j.compact(1)  # version 1 is stored: the take at 0 is in it, the take at 1 not yet
+    assert [p.id for p, _ in kept.pending] == [2, 3]
+    assert not j.too_big() or len((tmp_path / JOURNAL).read_text().splitlines()) == 3
+    assert [p.id for p, _ in j.replay(1).pending] == [2, 3]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aurora.actors.flow as flow_module
+import aurora.actors.intake as intake_module
 import pytest
 
 from aurora.events import LEASE_EXPIRED, LEASE_GIVEN_UP, VERSION_COMMITTED
@@ -33,7 +33,7 @@ run: {steps: 3}
 async def test_renewals_pass_while_the_version_stream_waits_on_a_long_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = flow_module._decode_and_apply
+    real = intake_module._decode_and_apply
     slowed: list[float] = []
 
     def slow_commit(*args: Any) -> frozenset[str]:
@@ -42,7 +42,7 @@ async def test_renewals_pass_while_the_version_stream_waits_on_a_long_commit(
             time.sleep(COMMIT_S)
         return real(*args)
 
-    monkeypatch.setattr(flow_module, "_decode_and_apply", slow_commit)
+    monkeypatch.setattr(intake_module, "_decode_and_apply", slow_commit)
     _, logs = await run_in_process(
         tmp_path, TOPOLOGY, ("trainer", "r1"), lambda nodes: nodes["r1"].flow.version == 3, timeout_s=60
     )

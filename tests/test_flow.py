@@ -261,7 +261,7 @@ async def test_a_bulk_transfer_times_the_parent_link_and_a_streamed_delta_does_n
         await _until(lambda: leaf.version == 0)
         assert leaf.link_mbit is not None
         assert leaf.link_mbit > 0
-        leaf.link_mbit = 1.0  # a mark: a streamed delta must not overwrite it
+        leaf.receiving.link_mbit = 1.0  # a mark: a streamed delta must not overwrite it
         await trainer.publish(perturb(w0, 0.01, seed=6))
         await _until(lambda: leaf.version == 1)
         assert leaf.link_mbit == 1.0
@@ -275,19 +275,20 @@ async def test_a_bulk_transfer_times_the_parent_link_and_a_streamed_delta_does_n
 async def test_the_history_keeps_two_snapshots_but_none_still_going_out() -> None:
     """Full weights: a third snapshot drops the oldest from the history, unless a child's outbox still
     has to send it (it would be cut off for falling behind)."""
-    from aurora.actors.flow import _Outbox, _Stored
+    from aurora.actors.fanout import Outbox
+    from aurora.actors.held import Stored
 
     from aurora.protocol.routing import SendChunk
 
     flow = VersionFlow("relay", _model(), 0)
     down, _up = memory_channel_pair("relay", "rollout-0")
-    flow.children["rollout-0"] = _Outbox(down)
+    flow.children["rollout-0"] = Outbox(down)
     flow.children["rollout-0"].queue.append(SendChunk("rollout-0", 1, 0))
     for v in range(1, 5):
-        flow._remember(v, _Stored(b"m", [b"c"], snapshot=True))
+        flow.held.remember(v, Stored(b"m", [b"c"], snapshot=True), flow.fanout.queued_versions)
     assert list(flow.history) == [1, 3, 4]  # 2 dropped; 1 kept while its chunk waits to go out
     flow.children["rollout-0"].queue.clear()
-    flow._remember(5, _Stored(b"m", [b"c"], snapshot=True))
+    flow.held.remember(5, Stored(b"m", [b"c"], snapshot=True), flow.fanout.queued_versions)
     assert list(flow.history) == [4, 5]
 
 
@@ -360,11 +361,11 @@ async def test_a_commit_cancelled_midway_still_moves_the_router_so_the_next_delt
     import threading
     import time
 
-    import aurora.actors.flow as flow_module
+    import aurora.actors.intake as intake_module
 
     from aurora.testing.memory import memory_channel_pair
 
-    real = flow_module._decode_and_apply
+    real = intake_module._decode_and_apply
     started = threading.Event()
 
     def slow(*args: Any) -> frozenset[str]:
@@ -372,7 +373,7 @@ async def test_a_commit_cancelled_midway_still_moves_the_router_so_the_next_delt
         time.sleep(0.3)
         return real(*args)
 
-    monkeypatch.setattr(flow_module, "_decode_and_apply", slow)
+    monkeypatch.setattr(intake_module, "_decode_and_apply", slow)
     w0 = _model(6)
     trainer, child = VersionFlow("trainer", w0.copy(), 0), VersionFlow("child", w0.copy(), 0)
     down, up = memory_channel_pair("trainer", "child", window=8)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import zmq
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -28,6 +28,7 @@ from aurora.auth.keys import generate_topology_keys, load_node_keys
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.events import BAD_FRAME, BAD_MESSAGE, CHILD_EXITED
+from aurora.node import run_node
 from aurora.protocol.messages import Hello, LinkBeat, LinkData, SignalHello, StatusQuery, encode_app, encode_link
 from aurora.testing.fuzz import hostile_frames
 from tests.helpers import free_ports

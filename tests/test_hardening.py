@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from aurora.actors.status import LINK_REPORT_S, ClusterStatus, render
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,6 +33,7 @@ from aurora.config.rl import ArithmeticSpec, GrpoSpec, ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError, DeltaFormatError, StoreError
 from aurora.events import STORE_VERSION_UNUSABLE
+from aurora.node import open_store, run_node
 from aurora.protocol import messages as wire
 from aurora.rl.learners.grpo import GrpoLearner
 from aurora.rl.tasks import ArithmeticTask
@@ -214,7 +215,7 @@ learner: {{kind: synthetic, params: 2000, tensors: 2, density: 0.05, interval_s:
     anchor.write_bytes(anchor.read_bytes()[:-40] + b"\x00" * 40)
     node = Node("r1", topo, plan(topo, str(path)), str(path), load_node_keys(topo, "r1", str(path)))
     with capture_logs() as logs:
-        await node.open_store(tmp_path / "r1")
+        await open_store(node, tmp_path / "r1")
     assert node.flow.version == 3
     assert node.flow.digest == good.digest()
     (skip,) = [e for e in logs if e["event"] == STORE_VERSION_UNUSABLE]

@@ -78,6 +78,7 @@ LAYER = {
     "aurora.testing": 7,
     "aurora.cli": ANYTHING,
     "aurora.run": ANYTHING,
+    "aurora.node": ANYTHING,
     "aurora.chaos": ANYTHING,
     "aurora.bench": ANYTHING,
     "aurora.__main__": ANYTHING,

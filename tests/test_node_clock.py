@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from structlog.testing import capture_logs
 
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.events import LEASE_EXPIRED, LEASE_GIVEN_UP, PARENT_ATTACHED, PARENT_LOST, STEP
+from aurora.node import run_node
 from aurora.protocol.leases import Lease
 from aurora.protocol.link import LinkTimings
 from aurora.runtime import VirtualClock

@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from aurora.transport.zmq import LinkConfig, ZmqChannel, ZmqClient
 from structlog.testing import capture_logs
 
@@ -19,6 +19,7 @@ from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError, TransportClosed
 from aurora.events import BAD_FRAME, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.node import run_node
 from aurora.protocol.messages import Hello, PathUpdate, Refused
 from tests.helpers import free_ports
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from structlog.testing import capture_logs
 
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.events import CHILD_ATTACHED, WEBRTC_ACCEPTED, WEBRTC_PARENT_CONNECTED
+from aurora.node import run_node
 from aurora.testing.webrtc import loopback_ice
 from tests.helpers import free_ports
 

@@ -8,12 +8,13 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from structlog.testing import capture_logs
 
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.events import PARENT_ATTACHED, PARENT_RETURN
+from aurora.node import run_node
 from aurora.testing.links import LinkNet
 
 TOPOLOGY = """

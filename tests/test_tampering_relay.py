@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from structlog.testing import capture_logs
 
 from aurora.auth.keys import generate_topology_keys
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.events import PARENT_ATTACHED, PARENT_FAILED, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.node import run_node
 from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """The whole tree in one process under hypothesis fault schedules (in-memory links).
 
-Seven real nodes (`aurora.actors.node.run_node`, the code `aurora node` runs) over
+Seven real nodes (`aurora.node.run_node`, the code `aurora node` runs) over
 `aurora.testing.links`: nodes are killed (their tasks cancelled, their links dropped, as
 in a crash) and restarted, links are partitioned and healed, in orders hypothesis picks.
 After the schedule everything is healed and restarted, and the invariants are checked:
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aurora.actors.node import Node, run_node
+from aurora.actors.node import Node
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -32,6 +32,7 @@ from structlog.testing import capture_logs
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.events import CATCH_UP_SENT, NODE_RESUMED, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.node import run_node
 from aurora.testing.links import LinkNet
 
 STEPS = 8
@@ -240,7 +241,7 @@ async def test_an_actor_crash_loop_stops_the_node_with_the_reason(
         raise RuntimeError("the engine's device is gone")
 
     monkeypatch.setattr(SyntheticEngine, "generate", broken)
-    monkeypatch.setattr("aurora.actors.node.RESTART_WINDOW_S", 60.0)
+    monkeypatch.setattr("aurora.node.RESTART_WINDOW_S", 60.0)
     h = Harness(tmp_path)
     for n in ("trainer", "relay-a", "relay-b", "r1"):
         h.start(n)

@@ -33,7 +33,7 @@ from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.errors import AuroraError
 from aurora.logs import event_time, read_events
-from aurora.run import ATTACH_TIMEOUT_S, Cluster, ensure_keys, ensure_model
+from aurora.run import Cluster, ensure_keys, ensure_model
 
 SETTLE_TIMEOUT_S = 300.0
 """After the last version: how long every node has to reach it (a killed rollout reloads its engine)."""
@@ -94,7 +94,7 @@ def run_chaos(
 
 
 def _drive(cluster: Cluster, plan_: list[Fault], steps: int, progress: Callable[[str], None]) -> int:
-    topo, tree = cluster.topo, cluster.tree
+    topo = cluster.topo
     trainer = topo.trainer.name
     log = (cluster.state / "faults.jsonl").open("a")
     active: dict[str, _Active] = {}
@@ -121,11 +121,7 @@ def _drive(cluster: Cluster, plan_: list[Fault], steps: int, progress: Callable[
         progress(f"ended: {f.kind} {f.node}")
 
     try:
-        progress(f"starting {len(topo.nodes)} nodes of {topo.name!r} (parents first)")
-        for name in cluster.order():
-            if (parent := tree.parent[name]) is not None:
-                cluster.wait_ready(parent, ATTACH_TIMEOUT_S)
-            cluster.start(name)
+        cluster.start_all(progress)
         shown = 0.0
         while True:
             if (why := cluster.died()) is not None:

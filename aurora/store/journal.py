@@ -13,7 +13,9 @@ between would lose it. The journal is a JSON-lines file in the trainer's store, 
 `open` replays it for the version the trainer resumes from (``resumed``): a result taken at ``v <
 resumed`` is in a stored version and done; one taken at ``v >= resumed`` made a version that was lost
 with the process, so it is pending again, as is every result accepted and not taken. The file is then
-rewritten (atomically) as ``next`` and the pending results only, so it stays the size of the pool.
+rewritten (atomically) as ``next`` and the pending results only; a running trainer compacts it the same
+way once it passes `COMPACT_BYTES` (`compact`, with the newest stored version), so it stays about the
+size of the pool.
 
 Invariants: a result acknowledged is in the journal (fsynced) before its verdict is sent; after a
 restart from version L, every acknowledged result is either in a version ≤ L, dropped by the
@@ -37,6 +39,8 @@ from aurora.store.atomic import atomic_writer
 
 JOURNAL = "results.jsonl"
 """The journal's file name in the trainer's store directory."""
+COMPACT_BYTES = 64 << 20
+"""A journal past this size is compacted at the learner's next take."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +64,19 @@ class ResultJournal:
         """The journal of the store at ``store_dir``, replayed for a trainer at version ``resumed``
         and compacted to what that trainer still needs."""
         j = cls(store_dir / JOURNAL)
-        replayed = j.replay(resumed)
-        with atomic_writer(j.path) as f:
+        return j, j.compact(resumed)
+
+    def compact(self, stored: int) -> Replayed:
+        """Rewrite the journal (atomically) as what a trainer holding stored version ``stored`` needs:
+        the next prompt id and the results no version up to ``stored`` trained on."""
+        replayed = self.replay(stored)
+        with atomic_writer(self.path) as f:
             lines = [{"next": replayed.next_id}] + [{"accepted": _accepted(p, c)} for p, c in replayed.pending]
             f.write("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode())
-        return j, replayed
+        return replayed
+
+    def too_big(self) -> bool:
+        return self.path.exists() and self.path.stat().st_size > COMPACT_BYTES
 
     def replay(self, resumed: int) -> Replayed:
         accepted: dict[int, tuple[Prompt, Completion]] = {}
