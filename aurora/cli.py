@@ -370,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start every node of the topology on this machine as `aurora run` does (each with a "
         "store, logging at debug level, accepting fault signals), inject faults on a schedule drawn "
         "from --seed while the trainer publishes --steps versions — SIGKILL and restart of any node "
-        "(the trainer resumes from its store and its result journal), silent partitions of a node's "
-        "parent link and their heals, a node that stops reading from its parent — then let every "
+        "(the trainer resumes from its store and its result journal), partitions of a node's "
+        "parent link and their heals (see --net), a node that stops reading from its parent — then let every "
         "node reach the last version, stop them, and check the history of every lease, result, "
         "verdict, publish and commit in their logs: no prompt accepted twice; every accepted result "
         "within the staleness bound; versions committed in order on every node, each with the digest "
@@ -388,6 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="directory for the nodes' stores and logs (default runs/chaos-NAME-TIME)",
+    )
+    ch.add_argument(
+        "--net",
+        choices=["auto", "netns", "process"],
+        default="auto",
+        help="how a partition is made: netns puts every node in a network namespace of its own (on its own "
+        "address, with a link to each node it may attach to) and takes the link to its parent down (needs "
+        "root); process has the node silence its parent link itself; auto (default): netns where it can be made",
     )
     st = sub.add_parser(
         "status",
@@ -857,6 +865,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         state=args.state,
         progress=lambda s: print(s, flush=True),
         cache=_default_cache(),
+        net=args.net,
     )
     counts = ", ".join(f"{k} {v}" for k, v in out.report.counts.items())
     print(f"{out.injected} of {len(out.faults)} faults injected in {out.seconds:.0f} s; checked: {counts}")

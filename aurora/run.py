@@ -78,10 +78,13 @@ class Cluster:
         *,
         node_args: tuple[str, ...] = (),
         log_level: str | None = None,
+        wrap: Callable[[str, list[str]], list[str]] | None = None,
     ) -> None:
         self.path = path
         self.node_args = node_args
         """More `aurora node` options for every node (`aurora chaos`: ``--faults``, ``--steps``)."""
+        self.wrap = wrap
+        """How a node's command runs (`aurora chaos` in namespaces: inside the node's own)."""
         self.log_level = log_level
         self.lives: dict[str, int] = {}
         """How often each node was started: its first life logs to ``NAME.log``, the k-th restart to
@@ -121,6 +124,8 @@ class Cluster:
             *self.node_args,
             log_level=self.log_level,
         )
+        if self.wrap is not None:
+            argv = self.wrap(name, argv)
         env = os.environ | ({} if self.threads is None else {"OMP_NUM_THREADS": str(self.threads)})
         life = self.lives.get(name, -1) + 1
         self.lives[name] = life

@@ -1,6 +1,7 @@
 """`aurora chaos` as an operator runs it: the tiny topology's cluster (vLLM rollouts included) as real
 processes under a short seeded schedule — the trainer SIGKILLed and resumed from its store and result
-journal, another node killed, a partition, a node that stops reading — and the history checker's verdict.
+journal, another node killed, a partition (as root: a black-holed link between network namespaces), a
+node that stops reading — and the history checker's verdict.
 The same topology as topologies/tiny.yaml, with its model, keys and ports in the test's directory."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from aurora.chaos.netns import NetnsNetwork
 from aurora.events import RESULTS_RESTORED
 from tests.helpers import free_ports
 
@@ -45,6 +47,8 @@ def test_a_short_chaos_run_on_the_tiny_topology_injects_every_fault_and_finds_no
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     assert "4 of 4 faults injected" in r.stdout, r.stdout[-3000:]
     assert "no violation: every invariant held" in r.stdout
+    real = NetnsNetwork.available() is None  # as root: every node in a namespace, partitions real cuts
+    assert ("links cut for real" if real else "silences its parent link itself") in r.stdout
     state = tmp_path / "state"
     assert (state / "trainer.life1.log").is_file()  # the trainer was killed and came back
     assert RESULTS_RESTORED in (state / "trainer.life1.log").read_text()

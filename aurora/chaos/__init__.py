@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aurora.chaos.check import Report, Violation, check
+from aurora.chaos.netns import NetnsNetwork
 from aurora.chaos.schedule import Fault, schedule
 from aurora.config.plan import plan
 from aurora.config.topology import load_topology
@@ -68,7 +69,11 @@ def run_chaos(
     state: Path | None = None,
     progress: Callable[[str], None] = print,
     cache: Path | None = None,
+    net: str = "auto",
 ) -> Outcome:
+    """See the module docstring. ``net``: ``netns`` (every node in a network namespace of its own, a
+    partition a link taken down: needs root), ``process`` (a partition is the node silencing its parent
+    link), or ``auto`` (namespaces where they can be made)."""
     topo = load_topology(path)
     topo = dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=steps))  # as the nodes' --steps
     tree = plan(topo, str(path))
@@ -78,12 +83,28 @@ def run_chaos(
     plan_ = schedule(topo, tree, steps, seed, n_faults)
     if state is None:
         state = Path("runs") / f"chaos-{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    state.mkdir(parents=True, exist_ok=True)
     progress(f"state and logs: {state}")
     progress(f"{len(plan_)} faults (seed {seed}): " + "; ".join(f.describe() for f in plan_))
-    cluster = Cluster(path, topo, tree, state, node_args=("--faults", "--steps", str(steps)), log_level="debug")
-    t0 = time.monotonic()
-    injected = _drive(cluster, plan_, steps, progress)
-    seconds = time.monotonic() - t0
+    why = NetnsNetwork.available()
+    if net == "netns" and why is not None:
+        raise AuroraError(f"--net netns: {why}")
+    network = NetnsNetwork(topo, tree) if net != "process" and why is None else None
+    try:
+        node_args = ("--faults", "--steps", str(steps))
+        if network is None:
+            progress("partitions: each node silences its parent link itself (in-process)")
+            cluster = Cluster(path, topo, tree, state, node_args=node_args, log_level="debug")
+        else:
+            progress("partitions: every node in a network namespace of its own, links cut for real")
+            derived = network.topology(path, state / "topology.yaml")
+            cluster = Cluster(derived, topo, tree, state, node_args=node_args, log_level="debug", wrap=network.wrap)
+        t0 = time.monotonic()
+        injected = _drive(cluster, plan_, steps, progress, network)
+        seconds = time.monotonic() - t0
+    finally:
+        if network is not None:
+            network.close()
     lives = {
         n.name: [read_events(cluster.log_path(n.name, k)) for k in range(cluster.lives.get(n.name, 0) + 1)]
         for n in topo.nodes
@@ -93,7 +114,9 @@ def run_chaos(
     return Outcome(report, plan_, injected, seconds, state, history)
 
 
-def _drive(cluster: Cluster, plan_: list[Fault], steps: int, progress: Callable[[str], None]) -> int:
+def _drive(
+    cluster: Cluster, plan_: list[Fault], steps: int, progress: Callable[[str], None], network: NetnsNetwork | None
+) -> int:
     topo = cluster.topo
     trainer = topo.trainer.name
     log = (cluster.state / "faults.jsonl").open("a")
@@ -111,12 +134,20 @@ def _drive(cluster: Cluster, plan_: list[Fault], steps: int, progress: Callable[
         st = cluster.status[name]
         return name in cluster.procs and (st.listening if name == trainer else st.parent is not None)
 
+    def toggle(f: Fault, *, on: bool) -> None:
+        """A partition or a stop of reading, begun (``on``) or ended."""
+        parent = cluster.tree.parent[f.node]
+        if f.kind == "partition" and network is not None and parent is not None:
+            network.cut(f.node, parent, up=not on)
+        elif f.node in cluster.procs:
+            cluster.procs[f.node].send_signal(signal.SIGUSR1 if f.kind == "partition" else signal.SIGUSR2)
+
     def end(a: _Active) -> None:
         f = a.fault
         if f.kind == "kill":
             cluster.start(f.node)
         else:
-            cluster.procs[f.node].send_signal(signal.SIGUSR1 if f.kind == "partition" else signal.SIGUSR2)
+            toggle(f, on=False)
         record("fault_ended", f)
         progress(f"ended: {f.kind} {f.node}")
 
@@ -143,7 +174,7 @@ def _drive(cluster: Cluster, plan_: list[Fault], steps: int, progress: Callable[
                 if f.kind == "kill":
                     cluster.kill(f.node)
                 else:
-                    cluster.procs[f.node].send_signal(signal.SIGUSR1 if f.kind == "partition" else signal.SIGUSR2)
+                    toggle(f, on=True)
                 active[f.node] = _Active(f, now + f.hold_s)
                 injected += 1
                 record("fault_injected", f)
