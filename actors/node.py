@@ -330,6 +330,8 @@ class PublisherActor(Actor):
                 try:
                     new = await in_thread(learner.step, batch)
                 except Exception:
+                    if batch:
+                        await self.board.give_back(self.pool, batch)  # untrained: not lost with this step
                     if publishing is not None:
                         await publishing
                     raise

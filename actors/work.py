@@ -43,6 +43,7 @@ from aurora.transport.base import Channel, Message
 from aurora.config.topology import LeaseSpec
 from aurora.errors import ActorDead, TransportClosed
 from aurora.events import (
+    BATCH_RETURNED,
     BATCH_TAKEN,
     ENGINE_SWITCHED,
     LEASE_EXPIRED,
@@ -116,6 +117,15 @@ class WorkBoard:
         log.debug(BATCH_TAKEN, at=current, items=items, versions=[c.version for _, c in batch], dropped=dropped)
         self.room.set()
         return batch
+
+    async def give_back(self, pool: WorkPool, batch: list[tuple[Prompt, Completion]]) -> None:
+        """The learner could not train on ``batch``: back to the pool, first in line, and journalled so."""
+        pool.samples[:0] = batch
+        items = [c.prompt_id for _, c in batch]
+        if self.journal is not None:
+            await in_thread(self.journal.returned, items)
+        log.debug(BATCH_RETURNED, items=items)
+        self.more.set()
 
     async def accepted(self, worker: str, outcome: Accepted, current: int) -> None:
         """Journal an accepted result (its verdict is sent after)."""

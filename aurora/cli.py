@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verdict, publish and commit in their logs: no prompt accepted twice; every accepted result "
         "within the staleness bound; versions committed in order on every node, each with the digest "
         "the trainer published; every node holding the trainer's last version at the end; no result "
-        "the trainer acknowledged lost across its restarts. Prints the faults, the checks' counts and "
+        "the trainer acknowledged lost, or trained twice, across its restarts. Prints the faults, the checks' counts and "
         "the verdict; exits 1 with the first violation and the history around it.",
     )
     ch.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/tiny.yaml")

@@ -82,6 +82,8 @@ RESULT_ACCEPTED = "result_accepted"
 BATCH_TAKEN = "batch_taken"
 """The learner took results at version ``at`` (to make ``at + 1``) (debug): ``items``, ``versions``, and the
 ``dropped`` items the staleness rule dropped meanwhile."""
+BATCH_RETURNED = "batch_returned"
+"""The learner's step failed: the results it took are back in the pool, untrained (debug): ``items``."""
 RESULTS_RESTORED = "results_restored"
 """A resumed trainer took back the acknowledged results no stored version trained on (its result journal,
 `aurora.store.journal`): ``items``, ``next`` (the first prompt id it issues), ``done``."""

@@ -16,9 +16,10 @@ that does not read or verify is skipped and logged), then catches up from its pa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import make_learner
 from aurora.rl.tasks import make_task
+from aurora.rl.types import Prompt
 from aurora.runtime import ChildSpec, Clock, LoopClock, Supervisor, cancel_and_wait, in_thread, unwrap_group
 from aurora.store import DeltaStore
 from aurora.store.journal import Replayed, ResultJournal
@@ -260,7 +262,9 @@ async def open_trainer(node: Node, store: Path | None) -> None:
                 next=replayed.next_id,
                 done=replayed.done,
             )
-    prompts = (replace(p, tokens=learner.tokenize(p)) for p in task.prompts(learner.seed) if p.id >= replayed.next_id)
+    # the task's stream, past every prompt id the journal has seen (skipped here, in a thread, not at the first want)
+    stream = await in_thread(_past, task.prompts(learner.seed), replayed.next_id)
+    prompts = (replace(p, tokens=learner.tokenize(p)) for p in stream)
     rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)
     node.pool = WorkPool(
         settings,
@@ -290,6 +294,14 @@ async def open_store(node: Node, store: Path | None) -> None:
             node.flow = _make_flow(node, weights, v, seal=seal)
             return
     node.flow = _make_flow(node, None, None)
+
+
+def _past(stream: Iterator[Prompt], next_id: int) -> Iterator[Prompt]:
+    """``stream`` from its first prompt with an id of at least ``next_id`` on (the ones before drawn now)."""
+    for p in stream:
+        if p.id >= next_id:
+            return itertools.chain([p], stream)
+    return iter(())
 
 
 def _make_flow(

@@ -16,6 +16,7 @@ from aurora.config.plan import plan
 from aurora.config.topology import load_topology
 from aurora.errors import StoreError
 from aurora.events import (
+    BATCH_RETURNED,
     BATCH_TAKEN,
     NODE_RESUMED,
     RESULT_ACCEPTED,
@@ -224,17 +225,40 @@ async def test_a_node_that_stops_reading_leaves_its_messages_queued_until_it_rea
         FAULTS.unread.discard("parent")
 
 
-def test_a_running_trainer_compacts_a_journal_grown_too_big(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_running_trainer_compacts_a_journal_grown_too_big_and_keeps_its_live_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import aurora.store.journal as journal
 
     j, _ = ResultJournal.open(tmp_path, 0)
-    for i in range(4):
+    for i in range(5):
         j.accepted(*_result(i, 0))
     j.taken([0, 1], at=0)
-    j.taken([2], at=1)
+    j.taken([2], at=1)  # version 2 is being made: it is not stored yet
     monkeypatch.setattr(journal, "COMPACT_BYTES", 100)
     assert j.too_big()
-    kept = j.compact(1)  # version 1 is stored: the take at 0 is in it, the take at 1 not yet
-    assert [p.id for p, _ in kept.pending] == [2, 3]
-    assert not j.too_big() or len((tmp_path / JOURNAL).read_text().splitlines()) == 3
-    assert [p.id for p, _ in j.replay(1).pending] == [2, 3]
+    kept = j.compact(1)  # version 1 is stored: the take at 0 is in it
+    assert [p.id for p, _ in kept.pending] == [2, 3, 4]
+    assert [p.id for p, _ in j.replay(1).pending] == [2, 3, 4]  # a crash before version 2 is stored
+    assert [p.id for p, _ in j.replay(2).pending] == [3, 4]  # after: prompt 2 is in it, never trained twice
+
+
+def test_a_batch_given_back_untrained_is_pending_again(tmp_path: Path) -> None:
+    j, _ = ResultJournal.open(tmp_path, 0)
+    for i in range(3):
+        j.accepted(*_result(i, 0))
+    j.taken([0, 1], at=0)
+    j.returned([0, 1])  # the learner's step failed
+    j.taken([1, 2], at=0)  # the retry took others
+    assert [p.id for p, _ in j.replay(1).pending] == [0]
+
+
+def test_the_checker_catches_a_result_trained_twice_and_knows_a_returned_batch() -> None:
+    h = _clean()
+    h["trainer"][1][1] = _e(RESULTS_RESTORED, 20, items=[2, 4, 5], next=6, done=3)  # 2 is in version 2
+    assert _rules(h) == ["trained once"]
+
+    h = _clean()
+    h["trainer"][0].insert(3, _e(BATCH_RETURNED, 2, items=[0, 1]))  # given back untrained, never retaken
+    h["trainer"][1][1] = _e(RESULTS_RESTORED, 20, items=[0, 1, 4, 5], next=6, done=2)
+    assert _rules(h) == []

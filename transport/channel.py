@@ -133,13 +133,14 @@ class ChannelBase:
         self.link.ensure_open()
         header = encode_app(msg)
         check_frame((header, *buffers), self.max_frame_bytes, self.peer)
+        if FAULTS.silenced(self.peer):  # an injected partition: lost on the way, before it takes credit
+            await asyncio.sleep(0)  # the peer never returns (a sender in a loop still yields)
+            return
         lane = lane_of(msg)
         size = bulk_size(sum(memoryview(b).nbytes for b in buffers)) if lane is Lane.BULK else 0
         while not self.link.try_send(lane, size):  # raises TransportClosed once closed
             self._writable.clear()
             await self._writable.wait()
-        if FAULTS.silenced(self.peer):
-            return  # an injected partition: lost on the way
         try:
             await self._transmit(header, buffers)
         except asyncio.CancelledError:

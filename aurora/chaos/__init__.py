@@ -30,8 +30,8 @@ from typing import Any
 from aurora.chaos.check import Report, Violation, check
 from aurora.chaos.netns import NetnsNetwork
 from aurora.chaos.schedule import Fault, schedule
-from aurora.config.plan import plan
-from aurora.config.topology import load_topology
+from aurora.config.plan import Tree, plan
+from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError
 from aurora.logs import event_time, read_events
 from aurora.run import Cluster, ensure_keys, ensure_model
@@ -72,7 +72,7 @@ def run_chaos(
     net: str = "auto",
 ) -> Outcome:
     """See the module docstring. ``net``: ``netns`` (every node in a network namespace of its own, a
-    partition a link taken down: needs root), ``process`` (a partition is the node silencing its parent
+    partition a black-holed link: needs root), ``process`` (a partition is the node silencing its parent
     link), or ``auto`` (namespaces where they can be made)."""
     topo = load_topology(path)
     topo = dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=steps))  # as the nodes' --steps
@@ -86,6 +86,27 @@ def run_chaos(
     state.mkdir(parents=True, exist_ok=True)
     progress(f"state and logs: {state}")
     progress(f"{len(plan_)} faults (seed {seed}): " + "; ".join(f.describe() for f in plan_))
+    old = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the nodes and removes the namespaces
+    try:
+        return _run(path, topo, tree, plan_, steps, state, progress, net)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(
+    path: Path,
+    topo: Topology,
+    tree: Tree,
+    plan_: list[Fault],
+    steps: int,
+    state: Path,
+    progress: Callable[[str], None],
+    net: str,
+) -> Outcome:
     why = NetnsNetwork.available()
     if net == "netns" and why is not None:
         raise AuroraError(f"--net netns: {why}")
@@ -183,9 +204,8 @@ def _drive(
                 progress(cluster.line())
                 shown = now
             time.sleep(0.05)
-        for a in active.values():  # the run is done: end what is still on
-            end(a)
-        active.clear()
+        while active:  # the run is done: end what is still on (each taken off first, so never twice)
+            end(active.popitem()[1])
         if queue:
             progress(f"{len(queue)} fault(s) not injected: the run ended before their nodes were up")
         progress(f"the trainer published version {steps}; waiting for every node to hold it")
@@ -196,11 +216,10 @@ def _drive(
             time.sleep(0.1)
         progress(cluster.line())
     finally:
-        for a in active.values():
-            if a.fault.kind == "kill":
-                cluster.start(a.fault.node)  # stopped below like the rest, so its log is whole
-        cluster.stop()
-        log.close()
+        try:
+            cluster.stop()
+        finally:
+            log.close()
     return injected
 
 

@@ -13,9 +13,10 @@ new life), as `aurora node --log-level debug` writes them. It verifies:
 4. **one history of versions** — every version committed or resumed anywhere has the digest the
    trainer published it with (and the trainer never made two different versions of one number);
 5. **the end** — every node's last life holds the trainer's last version, with its digest;
-6. **nothing acknowledged lost** — at each restart of the trainer, every result it accepted (or
-   took back at its previous start) and did not train into a version it resumed from, nor drop by
-   the staleness rule, is among the results it takes back (``results_restored``).
+6. **nothing acknowledged lost, nothing trained twice** — at each restart of the trainer, every result
+   it accepted (or took back at its previous start) and did not train into a version it resumed from,
+   nor drop by the staleness rule, is among the results it takes back (``results_restored``), and
+   none it trained into such a version is.
 
 Digests in the logs are the weights' digests cut to 64 bits (16 hex digits): equal digests are
 bit-identical weights. Pure: events in, `Violation`s out.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora.events import (
+    BATCH_RETURNED,
     BATCH_TAKEN,
     NODE_RESUMED,
     RESULT_ACCEPTED,
@@ -105,8 +107,8 @@ def _results(lives: Sequence[Sequence[Event]], trainer: str, max_stale: int, r: 
     seen: dict[int, Event] = {}
     owed: set[int] = set()
     """Results acknowledged and not yet known to be in a stored version or dropped."""
-    takes: list[tuple[int, list[int]]] = []
-    """Takes since the trainer last started: (at, items)."""
+    taken_at: dict[int, int] = {}
+    """Since the trainer last started: each result's take (a returned one is not taken)."""
     for k, life in enumerate(lives):
         for e in life:
             ev = e.get("event")
@@ -114,9 +116,8 @@ def _results(lives: Sequence[Sequence[Event]], trainer: str, max_stale: int, r: 
                 resumed = next((_int(x, "version") for x in _events(life, TRAINER_RESUMED)), None)
                 if resumed is None:
                     continue
-                for at, items in takes:
-                    if at < resumed:  # trained into a version the trainer resumed from, or an older one
-                        owed.difference_update(items)
+                trained = {i for i, at in taken_at.items() if at < resumed}  # in a version it resumed from
+                owed -= trained
                 back = {i for i in e.get("items", []) if isinstance(i, int)}
                 lost = sorted(owed - back)
                 if lost:
@@ -127,7 +128,16 @@ def _results(lives: Sequence[Sequence[Event]], trainer: str, max_stale: int, r: 
                         f"prompts {lost[:10]}",
                         e,
                     )
-                owed, takes = back, []
+                twice = sorted(back & trained)
+                if twice:
+                    r.add(
+                        "trained once",
+                        trainer,
+                        f"restart {k} (resumed at version {resumed}) took back {len(twice)} result(s) already "
+                        f"trained into a version it resumed from: prompts {twice[:10]}",
+                        e,
+                    )
+                owed, taken_at = back, {}
             elif ev == RESULT_ACCEPTED:
                 item, v, cur = _int(e, "item"), _int(e, "version"), _int(e, "current")
                 if item is None or v is None or cur is None:
@@ -139,16 +149,17 @@ def _results(lives: Sequence[Sequence[Event]], trainer: str, max_stale: int, r: 
                 if not 0 <= cur - v <= max_stale:
                     r.add("staleness", trainer, f"prompt {item}'s result of version {v} accepted at {cur}", e)
             elif ev == BATCH_TAKEN:
-                taken_at = _int(e, "at")
-                if taken_at is None:
+                at = _int(e, "at")
+                if at is None:
                     continue
-                at = taken_at
-                items = [i for i in e.get("items", []) if isinstance(i, int)]
-                takes.append((at, items))
+                taken_at.update((i, at) for i in e.get("items", []) if isinstance(i, int))
                 owed.difference_update(i for i in e.get("dropped", []) if isinstance(i, int))
                 for v in e.get("versions", []):
                     if isinstance(v, int) and not 0 <= at - v <= max_stale:
                         r.add("staleness", trainer, f"a result of version {v} taken at version {at}", e)
+            elif ev == BATCH_RETURNED:
+                for i in e.get("items", []):
+                    taken_at.pop(i, None)
     r.counts["accepted"] = len(seen)
 
 

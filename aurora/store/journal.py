@@ -7,6 +7,7 @@ between would lose it. The journal is a JSON-lines file in the trainer's store, 
 * ``{"accepted": ...}`` — a result, with its prompt (the trainer's tokens) and samples, written
   before its verdict leaves;
 * ``{"taken": [ids], "at": v}`` — the learner took these results at version ``v`` (to make ``v + 1``);
+* ``{"returned": [ids]}`` — results taken and given back untrained (the learner's step failed);
 * ``{"dropped": [ids]}`` — results that grew too stale before a take (the pool's rule dropped them);
 * ``{"next": n}`` — prompts below id ``n`` are never issued again (the first line after a compaction).
 
@@ -28,8 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,34 +55,53 @@ class Replayed:
     """The first prompt id the resumed trainer may issue."""
     done: int
     """Results the journal held that are in stored versions or were dropped as stale."""
+    live_takes: dict[int, list[int]] = field(default_factory=dict)
+    """Takes at or past the version replayed for (at -> prompt ids): pending after a restart, still
+    taken in a running trainer."""
 
 
 class ResultJournal:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.Lock()
+        """Appends (from the coordinator's and the learner's threads) and compactions, one at a time."""
 
     @classmethod
     def open(cls, store_dir: Path, resumed: int) -> tuple[ResultJournal, Replayed]:
         """The journal of the store at ``store_dir``, replayed for a trainer at version ``resumed``
-        and compacted to what that trainer still needs."""
+        and compacted to what that trainer still needs (every take at or past ``resumed`` made a
+        version that was lost: its results are pending again)."""
         j = cls(store_dir / JOURNAL)
-        return j, j.compact(resumed)
+        return j, j.compact(resumed, running=False)
 
-    def compact(self, stored: int) -> Replayed:
+    def compact(self, stored: int, *, running: bool = True) -> Replayed:
         """Rewrite the journal (atomically) as what a trainer holding stored version ``stored`` needs:
-        the next prompt id and the results no version up to ``stored`` trained on."""
-        replayed = self.replay(stored)
-        with atomic_writer(self.path) as f:
-            lines = [{"next": replayed.next_id}] + [{"accepted": _accepted(p, c)} for p, c in replayed.pending]
-            f.write("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode())
+        the next prompt id and the results no version up to ``stored`` trained on. ``running``: the
+        trainer goes on, so a take at or past ``stored`` (its version is being made or published) is
+        kept as a take; False (a restart): it is forgotten, its results pending again. Holds the
+        journal's lock: no append lands in the file being replaced."""
+        with self._lock:
+            replayed = self._replay(stored)
+            lines: list[dict[str, Any]] = [{"next": replayed.next_id}]
+            lines += [{"accepted": _accepted(p, c)} for p, c in replayed.pending]
+            if running:
+                lines += [{"taken": ids, "at": at} for at, ids in sorted(replayed.live_takes.items())]
+            with atomic_writer(self.path) as f:
+                f.write("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode())
         return replayed
 
     def too_big(self) -> bool:
         return self.path.exists() and self.path.stat().st_size > COMPACT_BYTES
 
     def replay(self, resumed: int) -> Replayed:
+        with self._lock:
+            return self._replay(resumed)
+
+    def _replay(self, resumed: int) -> Replayed:
         accepted: dict[int, tuple[Prompt, Completion]] = {}
-        finished: set[int] = set()
+        taken_at: dict[int, int] = {}
+        """Each result's last take (a returned one is not taken)."""
+        dropped: set[int] = set()
         next_id = 0
         if not self.path.exists():
             return Replayed([], 0, 0)
@@ -93,10 +114,13 @@ class ResultJournal:
                     accepted[p.id] = (p, c)
                     next_id = max(next_id, p.id + 1)
                 elif "taken" in rec:
-                    if int(rec["at"]) < resumed:
-                        finished.update(int(i) for i in rec["taken"])
+                    at = int(rec["at"])
+                    taken_at.update((int(i), at) for i in rec["taken"])
+                elif "returned" in rec:
+                    for i in rec["returned"]:
+                        taken_at.pop(int(i), None)
                 elif "dropped" in rec:
-                    finished.update(int(i) for i in rec["dropped"])
+                    dropped.update(int(i) for i in rec["dropped"])
                 elif "next" in rec:
                     next_id = max(next_id, int(rec["next"]))
                 else:
@@ -105,12 +129,21 @@ class ResultJournal:
                 if k == len(lines) - 1:
                     break  # torn by a crash mid-append: it was never acknowledged
                 raise StoreError(f"{self.path}: line {k + 1} is not a journal record ({e})") from None
+        finished = dropped | {i for i, at in taken_at.items() if at < resumed}
         pending = [r for i, r in accepted.items() if i not in finished]
-        return Replayed(pending, next_id, len(accepted) - len(pending))
+        live: dict[int, list[int]] = {}
+        for i, at in taken_at.items():
+            if at >= resumed and i in accepted:
+                live.setdefault(at, []).append(i)
+        return Replayed(pending, next_id, len(accepted) - len(pending), live)
 
     def accepted(self, prompt: Prompt, completion: Completion) -> None:
         """Record an accepted result (before its verdict is sent)."""
         self._append([{"accepted": _accepted(prompt, completion)}])
+
+    def returned(self, ids: Iterable[int]) -> None:
+        """Record that results taken were given back untrained (the learner's step failed)."""
+        self._append([{"returned": list(ids)}])
 
     def taken(self, ids: Iterable[int], at: int, dropped: Iterable[int] = ()) -> None:
         """Record a take at version ``at`` (and the results it dropped as stale)."""
@@ -121,7 +154,7 @@ class ResultJournal:
 
     def _append(self, recs: list[dict[str, Any]]) -> None:
         """Append ``recs`` and fsync them (the file is opened for each append: nothing stays open)."""
-        with self.path.open("a") as f:
+        with self._lock, self.path.open("a") as f:
             f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs))
             f.flush()
             os.fsync(f.fileno())

@@ -160,11 +160,12 @@ async def check_control_before_bulk(link: LinkFactory) -> None:
         try:
             await asyncio.sleep(0.5)  # the bulk window is full: the filler waits for credit
             # bounded: at most the bulk window's bytes are ahead of them on the wire (~1.5 s of aiortc's
-            # SCTP here); sharing one window with bulk, they would wait until the receiver read bulk
+            # SCTP here, several times that on a loaded host: the limit only keeps a failure from hanging);
+            # sharing one window with bulk, they would wait until the receiver read bulk — forever
             for i in range(3):
-                await asyncio.wait_for(p.a.send(Have(v=i)), 10)
+                await asyncio.wait_for(p.a.send(Have(v=i)), 30)
             for i in range(3):
-                m = await asyncio.wait_for(p.b.recv(Lane.CONTROL), 10)
+                m = await asyncio.wait_for(p.b.recv(Lane.CONTROL), 30)
                 assert m.msg == Have(v=i), m.msg
             first = await asyncio.wait_for(p.b.recv(Lane.BULK), 10)
             assert first.msg == Probe(i=0), first.msg
