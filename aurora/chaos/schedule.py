@@ -47,10 +47,11 @@ def schedule(topo: Topology, tree: Tree, steps: int, seed: int, faults: int) -> 
     children = [n for n in names if tree.parent[n] is not None]
     lo, hi = min(2, steps), max(min(2, steps), steps - 2)
     out = []
+    first = rng.sample(children, min(len(KINDS), len(children)))  # one node each: none waits on another
     for k in range(faults):
-        if k < len(KINDS) + 1 and children:  # every kind, and a kill of the trainer, come first
+        if k < len(first) + 1:  # every kind, and a kill of the trainer, come first
             kind = ("kill", *KINDS)[k]
-            node = topo.trainer.name if k == 0 else rng.choice(children)
+            node = topo.trainer.name if k == 0 else first[k - 1]
         else:
             kind = rng.choice(KINDS) if children else "kill"
             node = rng.choice(names if kind == "kill" else children)
