@@ -110,3 +110,28 @@ async def test_curve_without_the_peers_key_is_a_config_error() -> None:
         with pytest.raises(ConfigError, match="relay-a"):
             await t.connect("relay-a", "tcp://127.0.0.1:1")
         await t.close()
+
+
+async def test_a_close_cancelled_while_a_channel_flushes_still_closes_the_socket() -> None:
+    """A node stopping while its uplink disconnects a parent cancels the client's close midway; the
+    socket must not be left open, owned by nobody (it was, until the close was made cancellation-safe)."""
+    async with asyncio.TaskGroup() as tg:
+        server = ZmqServer("parent", cfg=CFG)
+        addr = await server.start_in(tg)
+        client = ZmqClient("child", addr, "parent", cfg=CFG)
+        up = await client.start_in(tg)
+        await asyncio.wait_for(server.accept(), 5)
+        flushing = asyncio.Event()
+
+        async def slow_close(reason: str = "closed") -> None:
+            flushing.set()
+            await asyncio.Event().wait()  # a flush that does not end before the cancellation
+
+        up.close = slow_close  # type: ignore[method-assign]
+        closing = asyncio.ensure_future(client.close())
+        await asyncio.wait_for(flushing.wait(), 5)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert client.sock.closed
+        await server.close()

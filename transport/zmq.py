@@ -315,17 +315,24 @@ class _Endpoint:
         await self.close()
 
     async def close(self) -> None:
+        """Close every channel (telling its peer), then the socket and the context. Cancellation-safe:
+        a close cancelled midway (its owner stopping while a channel flushes) still closes the socket
+        and the context, or the socket would be left open, owned by nobody."""
         if self._closed:
             return
         self._closed = True
-        for ch in list(self.channels.values()):
-            await ch.close("endpoint closing")
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.sock.close(linger=0)
-        self._before_term()
-        self.ctx.destroy(linger=0)  # closes any socket left (never hangs, unlike term())
+        try:
+            for ch in list(self.channels.values()):
+                await ch.close("endpoint closing")
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            try:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            finally:
+                self.sock.close(linger=0)
+                self._before_term()
+                self.ctx.destroy(linger=0)  # closes any socket left (never hangs, unlike term())
 
     def _before_term(self) -> None:
         """Hook for endpoint-specific teardown that must precede the context's end."""
@@ -624,12 +631,19 @@ class ZmqTransport:
             await client.close()
 
     async def close(self) -> None:
+        """Close every endpoint; one cancelled midway still leaves none of the others open."""
         for t in self._forwards.values():
             t.cancel()
-        for c in self.clients.values():
-            await c.close()
-        if self.server is not None:
-            await self.server.close()
+        await _close_all([*self.clients.values(), *([self.server] if self.server is not None else [])])
+
+
+async def _close_all(endpoints: list[_Endpoint]) -> None:
+    """Close each of ``endpoints`` in turn, the rest even when one's close is cancelled or fails."""
+    if endpoints:
+        try:
+            await endpoints[0].close()
+        finally:
+            await _close_all(endpoints[1:])
 
 
 __all__ = ["CurveKeys", "LinkConfig", "ProtocolError", "ZmqChannel", "ZmqClient", "ZmqServer", "ZmqTransport"]
