@@ -142,7 +142,7 @@ class ChannelBase:
             self._writable.clear()
             await self._writable.wait()
         try:
-            await self._transmit(header, buffers)
+            await self._transmit(header, buffers, lane)
         except asyncio.CancelledError:
             # Half-sent is indistinguishable from sent for the peer's accounting: end the channel.
             self._shut("send cancelled mid-message")
@@ -259,7 +259,9 @@ class ChannelBase:
                 log.info(CHANNEL_CLOSED, peer=self.peer, reason=out.reason)
 
     # -- for subclasses
-    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...], lane: Lane) -> None:
+        """Put one data message of ``lane`` on the wire; messages of one lane keep their order, and two
+        sent at once never mix (the lanes may interleave)."""
         raise NotImplementedError
 
     def _send_control(self, frame: LinkCredit | LinkBeat | LinkClose) -> None:

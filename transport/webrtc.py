@@ -22,9 +22,12 @@ On the data channel, a `Channel` message travels as one or more *pieces*
 (aiortc's limit is 256 KiB per data-channel message): a flags byte, then bytes
 of ``[u32 link frame length][link frame][header][buffers...]`` (the link frame,
 a `LinkData`, gives the sizes of the header and each buffer). Flag ``MORE`` says
-another piece of the same message follows; flag ``CONTROL`` marks a
-self-contained control frame (credit totals, heartbeats, close), which may sit
-between the pieces of a data message. A message that grows past the channel's
+another piece of the same message follows; flag ``BULK`` marks every piece of a
+bulk-lane message, and flag ``CONTROL`` a self-contained control frame (credit
+totals, heartbeats, close). One message of each lane is on the wire at a time
+(a lock per lane), and the receiver reassembles each lane apart: a control-lane
+message (a ``Have``) may go out between the pieces of a bulk one, so it never
+waits behind the bulk window, and a control frame may sit anywhere. A message that grows past the channel's
 ``max_frame_bytes`` while it is reassembled closes the channel. What the frames
 mean — credit, heartbeats, close, faults — is the channel's link machine
 (`aurora.protocol.link.Link`, as under ZeroMQ); each channel's task ticks it at
@@ -76,6 +79,7 @@ from aurora.protocol.messages import (
     MAX_REASON_CHARS,
     AppMessage,
     BadMessage,
+    Lane,
     LinkBeat,
     LinkClose,
     LinkCredit,
@@ -97,6 +101,7 @@ PIECE_BYTES = 65535  # 64 KiB, the size every WebRTC stack accepts, less the fla
 # only make aiortc's reassembly (which rescans a message's chunks on each arrival) slower
 MORE = 0x01
 CONTROL = 0x02
+BULK = 0x04
 MAX_LINK_FRAME = 4096
 MAX_ANSWERS_PER_PEER = 4
 """Offers being answered plus channels open, per peer; more offers are refused (each costs a peer connection,
@@ -197,11 +202,17 @@ def sdp_fingerprints(sdp: str) -> set[str]:
 
 
 def encode_pieces(
-    frame: LinkFrame, parts: tuple[bytes | memoryview, ...] = (), *, last_flags: int = 0, piece_bytes: int = PIECE_BYTES
+    frame: LinkFrame,
+    parts: tuple[bytes | memoryview, ...] = (),
+    *,
+    last_flags: int = 0,
+    flags: int = 0,
+    piece_bytes: int = PIECE_BYTES,
 ) -> list[bytes]:
     """Split one link frame and what follows it into data-channel pieces (see the module docstring):
-    every piece but the last is flagged ``MORE``; the last carries ``last_flags`` (``CONTROL`` for a
-    control frame, which always fits one piece)."""
+    every piece carries ``flags`` (``BULK`` for a bulk-lane message), every piece but the last is also
+    flagged ``MORE``; the last carries ``last_flags`` (``CONTROL`` for a control frame, which always
+    fits one piece)."""
     head = encode_link(frame)
     views: list[memoryview] = [memoryview(struct.pack("<I", len(head)) + head)]
     views += [memoryview(b).cast("B") for b in parts]
@@ -217,13 +228,13 @@ def encode_pieces(
             room -= take.nbytes
             p = p[take.nbytes :]
     last = len(groups) - 1
-    return [b"".join([bytes([last_flags if i == last else MORE]), *g]) for i, g in enumerate(groups)]
+    return [b"".join([bytes([flags | (last_flags if i == last else MORE)]), *g]) for i, g in enumerate(groups)]
 
 
-def encode_message(header: bytes, buffers: tuple[bytes | memoryview, ...]) -> list[bytes]:
-    """The pieces of one data message (its encoded header and buffers)."""
+def encode_message(header: bytes, buffers: tuple[bytes | memoryview, ...], lane: Lane = Lane.CONTROL) -> list[bytes]:
+    """The pieces of one data message (its encoded header and buffers) of ``lane``."""
     sizes = [len(header)] + [len(b) if isinstance(b, bytes) else b.nbytes for b in buffers]
-    return encode_pieces(LinkData(z=sizes), (header, *buffers))
+    return encode_pieces(LinkData(z=sizes), (header, *buffers), flags=BULK if lane is Lane.BULK else 0)
 
 
 def decode_frame(data: bytes | bytearray) -> tuple[LinkFrame, AppMessage | None, list[memoryview]]:
@@ -251,6 +262,32 @@ def decode_frame(data: bytes | bytearray) -> tuple[LinkFrame, AppMessage | None,
     return frame, decode_app(parts[0], parts[1:]), parts[1:]
 
 
+class Reassembly:
+    """Joins a channel's pieces back into whole frames (see the module docstring): each lane's data
+    message apart, a ``CONTROL`` piece on its own. Holds at most ``limit`` bytes per lane."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._parts = {Lane.CONTROL: bytearray(), Lane.BULK: bytearray()}
+
+    def add(self, piece: bytes) -> bytes | bytearray | None:
+        """One non-empty piece in: the payload of the frame it completes, or None while one is still
+        open; raises `OverflowError` once a lane's message grows past the limit."""
+        flags = piece[0]
+        if flags & CONTROL:
+            return piece[1:]
+        lane = Lane.BULK if flags & BULK else Lane.CONTROL
+        parts = self._parts[lane]
+        parts += memoryview(piece)[1:]
+        if len(parts) > self.limit:
+            parts.clear()
+            raise OverflowError(lane)
+        if flags & MORE:
+            return None
+        self._parts[lane] = bytearray()
+        return parts
+
+
 class WebRtcChannel(ChannelBase):
     """One data channel on its own peer connection (see the module docstring): a `ChannelBase`
     whose frames travel as pieces."""
@@ -275,7 +312,9 @@ class WebRtcChannel(ChannelBase):
         self.pc = pc
         self.dc = dc
         self.cfg = cfg
-        self._assembly = bytearray()
+        self._assembly = Reassembly(cfg.max_frame_bytes + MAX_LINK_FRAME + PIECE_BYTES)
+        self._sending = {Lane.CONTROL: asyncio.Lock(), Lane.BULK: asyncio.Lock()}
+        """Held while a message of the lane is put on the wire piece by piece."""
         self._room_ev = asyncio.Event()
         self._room_ev.set()
         dc.bufferedAmountLowThreshold = cfg.buffered_low_bytes
@@ -307,10 +346,11 @@ class WebRtcChannel(ChannelBase):
                 closed.cancel()
             self.link.ensure_open()
 
-    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
-        for piece in encode_message(header, buffers):
-            await self._room()
-            self._put(piece)
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...], lane: Lane) -> None:
+        async with self._sending[lane]:  # two messages of one lane never interleave their pieces
+            for piece in encode_message(header, buffers, lane):
+                await self._room()
+                self._put(piece)
 
     def _put(self, piece: bytes) -> None:
         if self.dc.readyState != "open":
@@ -334,18 +374,14 @@ class WebRtcChannel(ChannelBase):
         if isinstance(piece, str) or not piece:
             self._shut("peer sent a text or empty data-channel message")
             return
-        flags = piece[0]
         self._heard()  # any piece shows the peer alive, even mid-message
-        if flags & CONTROL:
-            data: bytes | bytearray = piece[1:]
-        else:
-            self._assembly += memoryview(piece)[1:]
-            if len(self._assembly) > self.max_frame_bytes + MAX_LINK_FRAME + 64 * 1024:
-                self._shut(f"peer sent a message larger than max_frame_bytes={self.max_frame_bytes}")
-                return
-            if flags & MORE:
-                return
-            data, self._assembly = self._assembly, bytearray()
+        try:
+            data = self._assembly.add(piece)
+        except OverflowError:
+            self._shut(f"peer sent a message larger than max_frame_bytes={self.max_frame_bytes}")
+            return
+        if data is None:
+            return
         try:
             frame, msg, bufs = decode_frame(data)
         except BadMessage as e:

@@ -69,6 +69,7 @@ from aurora.protocol.link import DEFAULT_BULK_BYTES, FAULT_WINDOW_S, FaultBudget
 from aurora.protocol.messages import (
     MAX_PROBE_BUFFERS,
     BadMessage,
+    Lane,
     LinkBeat,
     LinkClose,
     LinkCredit,
@@ -146,7 +147,7 @@ class ZmqChannel(ChannelBase):
         frames: list[Any] = [first, *rest]
         return [self._route, *frames] if self._route is not None else frames
 
-    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...], lane: Lane) -> None:
         frames = self._frames(_DATA, (header, *buffers))
         try:
             await self._link.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

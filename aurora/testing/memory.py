@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from aurora.errors import TransportClosed
 from aurora.protocol.link import DEFAULT_BULK_BYTES, LinkTimings
-from aurora.protocol.messages import LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
+from aurora.protocol.messages import Lane, LinkBeat, LinkClose, LinkCredit, LinkData, LinkFrame
 from aurora.runtime.clock import Clock
 from aurora.transport.base import Message
 from aurora.transport.channel import ChannelBase
@@ -70,7 +70,7 @@ class MemoryChannel(ChannelBase):
         else:
             deliver()
 
-    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...]) -> None:
+    async def _transmit(self, header: bytes, buffers: tuple[bytes | memoryview, ...], lane: Lane) -> None:
         other = self.other
         if other is None:
             raise TransportClosed(f"channel to {self.peer!r} has no peer")
