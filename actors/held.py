@@ -162,7 +162,11 @@ class HeldVersions:
         if self._anchoring is not None:
             await self._anchoring
         if await in_thread(self._keep, m, chunks, weights, seal, prune=prune):
-            self._anchoring = self._tg.create_task(self._promote(m.target_version, weights, seal, in_place))
+            promote = self._promote(m.target_version, weights, seal, in_place)
+            try:
+                self._anchoring = self._tg.create_task(promote)
+            except RuntimeError:  # the node's task group is shutting down: the version stays a delta
+                promote.close()  # (never started: closed, not left to warn that it was never awaited)
 
     async def _promote(self, v: int, weights: Weights, seal: SealWire | None, in_place: bool) -> None:
         """Make stored version ``v`` an anchor. Weights that change in place have their image taken

@@ -78,6 +78,7 @@ from aurora.config.topology import Role, Topology, WebRtcSpec
 from aurora.errors import AuroraError, TransportClosed, peer_fault
 from aurora.events import (
     CHILD_ATTACHED,
+    EVALUATED,
     PARENT_ATTACHED,
     PARENT_FAILED,
     PARENT_LOST,
@@ -120,6 +121,7 @@ from aurora.runtime import (
     unwrap_group,
 )
 from aurora.store import DeltaStore
+from aurora.tracking import Tracker, Trackers
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
     from aurora.transport.webrtc import WebRtcTransport
@@ -200,6 +202,8 @@ class Node:
         self.store: DeltaStore | None = None
         self.engine: Any = None
         self.worker_stats = WorkerStats()
+        self.tracker = Trackers()
+        """Where a trainer's figures go besides its log (`aurora.tracking`): none until it opens some."""
         self.status = ClusterStatus(
             [n.name for n in topo.nodes if n.role != "trainer"],
             planned={n: p for n, p in tree.parent.items() if p is not None},
@@ -260,6 +264,7 @@ class Node:
             dt = self.status.on_held(m.n, m.v, self.clock.now())
             if dt is not None:
                 log.info(VERSION_SYNCED, version=m.v, sync_s=round(dt, 4))
+                self.tracker.record(m.v, {"sync_s": dt})
         else:
             self.status.on_report(m.n, m.r, self.clock.now())
 
@@ -289,8 +294,9 @@ class PublisherActor(Actor):
     and sent, the learner already takes its batch at ``v`` (the weights it holds) and trains
     ``v + 1``. Versions still go out in order, one at a time: ``v + 1`` is published once ``v``
     is. A learner that fails lets the publication in flight finish first, so every version the
-    flow holds is one the learner made. ``deliver`` False: versions are adopted, not sent (the
-    sync-free ideal of `aurora bench rl`)."""
+    flow holds is one the learner made. When an evaluation is due (``learner.eval``), the learner
+    evaluates the version it just made while that version is published, before its next step.
+    ``deliver`` False: versions are adopted, not sent (the sync-free ideal of `aurora bench rl`)."""
 
     def __init__(
         self,
@@ -301,6 +307,7 @@ class PublisherActor(Actor):
         status: ClusterStatus,
         steps: int,
         deliver: bool,
+        tracker: Tracker | None = None,
     ) -> None:
         self.learner = learner
         self.pool = pool
@@ -309,6 +316,7 @@ class PublisherActor(Actor):
         self.status = status
         self.steps = steps
         self.deliver = deliver
+        self.tracker: Tracker = tracker or Trackers()
 
     async def main(self) -> None:
         learned = self.flow.version or 0  # the learner's weights: published, or being published
@@ -316,8 +324,22 @@ class PublisherActor(Actor):
             await self._steps(learned)
         log.info("steps_done", steps=self.steps, version=self.flow.version)
 
+    async def _evaluate(self, version: int) -> None:
+        """Evaluate the learner's weights (version ``version``) on held-out prompts, when due."""
+        try:
+            figs = await in_thread(self.learner.evaluate, version)
+        except Exception as e:  # noqa: BLE001  (an evaluation that fails costs its figures, not the run)
+            log.warning(EVALUATED, version=version, error=repr(e)[:300])
+            return
+        if figs is not None:
+            self.status.evaluated = {"eval_version": version, "eval_accuracy": figs.get("eval_accuracy")}
+            log.info(EVALUATED, version=version, **figs)
+            self.tracker.record(version, figs)
+
     async def _steps(self, learned: int) -> None:
         learner = self.learner
+        if learned == 0:
+            await self._evaluate(0)  # where the run starts from
         async with asyncio.TaskGroup() as tg:
             publishing: asyncio.Task[None] | None = None
             while learned < self.steps:
@@ -339,6 +361,7 @@ class PublisherActor(Actor):
                     await publishing
                 learned += 1
                 publishing = tg.create_task(self._publish(new, len(batch), dict(learner.stats)))
+                await self._evaluate(learned)  # while that version is published
 
     async def _publish(self, new: Weights, results: int, stats: dict[str, Any]) -> None:
         flow, board = self.flow, self.board
@@ -349,8 +372,10 @@ class PublisherActor(Actor):
             v = await flow.adopt(new)
         board.room.set()  # a new version: work for it may be leased now
         checks = {"validate_us": round(1e6 * board.validate_s / board.results, 2) if board.results else None}
-        self.status.step = {"version": v, **stats, **flow.last_published}
-        log.info(STEP, version=v, results=results, **stats, **self.pool.stats(), **checks)
+        rollouts = self.status.rollout_figures()
+        self.status.step = {"version": v, **stats, **flow.last_published, **self.status.evaluated}
+        log.info(STEP, version=v, results=results, **stats, **self.pool.stats(), **checks, **rollouts)
+        self.tracker.record(v, {**stats, **flow.last_published, **rollouts})
 
 
 class ReporterActor(Actor):

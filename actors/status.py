@@ -55,6 +55,18 @@ class ClusterStatus:
     sync_s: OrderedDict[int, float] = field(default_factory=OrderedDict)
     step: dict[str, Any] = field(default_factory=dict)
     """The learner's last step (reward, accuracy, ...) and its delta's size."""
+    evaluated: dict[str, Any] = field(default_factory=dict)
+    """The last held-out evaluation: ``eval_version``, ``eval_accuracy`` (shown with every step)."""
+
+    def rollout_figures(self) -> dict[str, float | None]:
+        """From the nodes' last reports: ``rollout_tok_s`` (all rollouts together) and ``switch_ms`` (their
+        mean pause per version switch); None where no rollout reported it."""
+        rs = [r for r, _ in self.reports.values() if r.tok_s is not None]
+        sw = [r.switch_ms for r in rs if r.switch_ms is not None and r.switches]
+        return {
+            "rollout_tok_s": round(sum(r.tok_s or 0.0 for r in rs), 1) if rs else None,
+            "switch_ms": round(sum(sw) / len(sw), 2) if sw else None,
+        }
 
     def on_published(self, version: int, started: float) -> None:
         """Version ``version`` began publication at ``started`` (its sync time counts from then)."""
@@ -125,10 +137,12 @@ def render(snap: Snapshot) -> str:
         tok = sum(r.tok_s or 0.0 for r in snap.nodes.values())
         size = b if isinstance(b := step.get("bytes"), int) else 0
         dens = d if isinstance(d := step.get("density"), int | float) else 0.0
+        ev = step.get("eval_accuracy")
         lines.append(
             f"learner step {step.get('version')}  reward {step['reward']:.3f}  "
             f"accuracy {step.get('accuracy') or 0:.3f}  delta {size / 1e3:.1f} kB "
             f"({100 * dens:.2f} % changed)  rollouts {tok:.0f} tok/s"
+            + (f"  eval accuracy {ev:.3f} (v{step.get('eval_version')})" if isinstance(ev, int | float) else "")
         )
     for name, r in sorted(snap.nodes.items()):
         via = r.parent or "-"

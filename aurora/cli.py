@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aurora.config.rl import PRESETS
-from aurora.errors import AuroraError
+from aurora.errors import AuroraError, ConfigError
 
 EXIT_USER_ERROR = 2
 
@@ -354,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         "~/.cache/aurora/fetch), else built from model.preset (as `aurora model init` does). Missing "
         "keys of the topology's key directory are made too (every node runs here). Each node's JSON log is kept in the state directory as NODE.log; after an RL run it also "
         "holds metrics.jsonl (one line per step: reward, accuracy, delta bytes and density, sync "
-        "time, ...) and metrics.png (their plot).",
+        "time, ..., and eval_accuracy on the versions learner.eval evaluates) and metrics.png (their "
+        "plot); the trainer writes TensorBoard files as it goes (trainer/tensorboard: tensorboard "
+        "--logdir runs/), and to W&B when wandb is installed and WANDB_PROJECT is set.",
     )
     r.add_argument("topology", type=Path, help="the topology YAML file, e.g. topologies/local.yaml")
     r.add_argument(
@@ -757,7 +759,25 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
         f"(tree depth {tree.depth()})"
     )
     print(_keys_line(topo, str(args.topology)))
+    try:
+        task = _task_line(topo)
+    except ConfigError as e:
+        raise ConfigError(e.message, file=str(args.topology), path=e.path) from None
+    if task:
+        print(task)
     return 0
+
+
+def _task_line(topo: Any) -> str:
+    """What `topology check` says about a dataset task, once it has read the file and made the reward
+    (a `ConfigError` naming the file, field or function otherwise)."""
+    from aurora.config.rl import DatasetSpec
+
+    if not isinstance(topo.task, DatasetSpec):
+        return ""
+    from aurora.rl.data import DatasetTask
+
+    return DatasetTask.load(topo.task).describe()
 
 
 def _keys_line(topo: Any, file: str) -> str:

@@ -38,6 +38,8 @@ def step_line(snap: Snapshot, total: int | None, elapsed_s: float, eta_s: float 
         parts.append(f"reward {r:.3f}")
     if (a := num("accuracy")) is not None:
         parts.append(f"accuracy {a:.3f}")
+    if (e := num("eval_accuracy")) is not None:
+        parts.append(f"eval {e:.3f} (v{step.get('eval_version')})")
     if (b := num("bytes")) is not None:
         d = num("density")
         parts.append(f"delta {b / 1e3:.1f} kB" + (f" ({100 * d:.2f} % changed)" if d is not None else ""))

@@ -60,6 +60,12 @@ CODING_CHOSEN = "coding_chosen"
 # -- the learner and the work (aurora.actors.node, aurora.actors.work)
 STEP = "step"
 """The learner made and published a version: ``version``, the learner's figures, the pool's counts."""
+EVALUATED = "evaluated"
+"""The trainer evaluated a version on held-out prompts (`aurora.rl.evaluate`): ``version``, ``eval_accuracy``,
+``eval_prompts``, ``eval_s``."""
+REWARD_FAILED = "reward_failed"
+"""A reward function raised or returned something not in [0, 1]; the sample scored 0 (throttled):
+``reward``, ``error``, ``errors`` (so far), ``suppressed``."""
 ENGINE_SWITCHED = "engine_switched"
 """A rollout's engine moved to a version: ``version``, ``from_version``, ``switch_ms``."""
 WORK_STARTED = "work_started"

@@ -2,8 +2,10 @@
 
 One row per published version, joining the trainer's events for it: ``step``
 (the learner's figures: reward, accuracy, loss, staleness, ...),
-``version_published`` (delta bytes, changed fraction, encode time) and
-``version_synced`` (seconds from publication until every node held it).
+``version_published`` (delta bytes, changed fraction, encode time),
+``version_synced`` (seconds from publication until every node held it) and
+``evaluated`` (``eval_accuracy`` on held-out prompts, on the versions evaluated; version 0's
+row holds only that).
 Rows are in version order; a field the log does not have is None. Both files are written
 whole or not at all (`aurora.store.atomic`).
 """
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from aurora.events import STEP, VERSION_PUBLISHED, VERSION_SYNCED
+from aurora.events import EVALUATED, STEP, VERSION_PUBLISHED, VERSION_SYNCED
 from aurora.store.atomic import atomic_path, write_bytes
 
 STEP_FIELDS = (
@@ -31,6 +33,7 @@ STEP_FIELDS = (
     "samples",
     "tokens",
     "learn_s",
+    "reward_errors",
 )
 
 
@@ -51,7 +54,9 @@ def collect(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row(v).update(bytes=e.get("bytes"), density=e.get("density"), publish_s=e.get("publish_s"))
         elif ev == VERSION_SYNCED:
             row(v)["sync_s"] = e.get("sync_s")
-    return [rows[v] for v in sorted(rows) if v > 0]
+        elif ev == EVALUATED and e.get("eval_accuracy") is not None:
+            row(v).update(eval_accuracy=e.get("eval_accuracy"), eval_s=e.get("eval_s"))
+    return [rows[v] for v in sorted(rows) if v > 0 or "eval_accuracy" in rows[v]]
 
 
 def write_jsonl(rows: list[dict[str, Any]], dest: Path) -> Path:
@@ -59,8 +64,23 @@ def write_jsonl(rows: list[dict[str, Any]], dest: Path) -> Path:
     return dest
 
 
+def window(n: int) -> int:
+    """The smoothing window for ``n`` points: a tenth of them, at least 1."""
+    return max(1, n // 10)
+
+
+def smooth(ys: list[float]) -> list[float]:
+    """The trailing mean of `window` points at each point (fewer at the start)."""
+    w, out, total = window(len(ys)), [], 0.0
+    for i, y in enumerate(ys):
+        total += y - (ys[i - w] if i >= w else 0.0)
+        out.append(total / min(i + 1, w))
+    return out
+
+
 def plot(rows: list[dict[str, Any]], dest: Path, title: str = "") -> Path:
-    """Reward and accuracy, delta size, and sync time per step, in one PNG."""
+    """Reward and accuracy (raw points faint, their trailing mean over them) and the held-out eval
+    accuracy, delta size, and sync time per step, in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,8 +92,13 @@ def plot(rows: list[dict[str, Any]], dest: Path, title: str = "") -> Path:
 
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     ax = axes[0]
-    ax.plot(*series("reward"), label="reward")
-    ax.plot(*series("accuracy"), label="accuracy")
+    for key, color in (("reward", "tab:blue"), ("accuracy", "tab:orange")):
+        xs, ys = series(key)
+        ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(xs, smooth(ys), color=color, label=f"{key} (mean of {window(len(ys))})")
+    xs, ys = series("eval_accuracy")
+    if xs:
+        ax.plot(xs, ys, color="tab:green", marker="o", label="eval accuracy (held out, greedy)")
     ax.set_ylabel("per step")
     ax.set_ylim(0, 1)
     ax.legend(loc="upper left")

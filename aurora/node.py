@@ -20,7 +20,7 @@ import itertools
 import os
 import secrets
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,7 @@ from aurora.rl.types import Prompt
 from aurora.runtime import ChildSpec, Clock, LoopClock, Supervisor, cancel_and_wait, in_thread, unwrap_group
 from aurora.store import DeltaStore
 from aurora.store.journal import Replayed, ResultJournal
+from aurora.tracking import open_trackers
 from aurora.transport.zmq import LinkConfig, ZmqTransport
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
@@ -129,41 +130,44 @@ async def run_node(
         await open_store(node, store)
         if spec.role == "rollout" and topo.engine is not None:
             node.engine = await in_thread(make_engine, topo.engine)
-    zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys, clock=clock)
-    if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
-        node.rtc = _rtc(topo, name, file, clock)
-    if observe is not None:
-        observe(node)
-    parent = tree.parent[name]
-    specs = _actor_specs(node, zt, tree, cfg.lost_after_s)
-    sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2, clock=clock)
-    node.sup = sup
-    with unwrap_group():  # one error (a crash loop, a bind failure): raised as itself
-        async with asyncio.TaskGroup() as tg:
-            await zt.start_in(tg)
-            if node.rtc is not None:
-                await node.rtc.start_in(tg)
-            node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
-            sup_task = await sup.start_in(tg)
-            log.info(
-                NODE_STARTED,
-                listen=zt.address or None,
-                parent=parent,
-                actors=[c.name for c in specs],
-                codec_threads=node.threads,
-                authenticated=keys.secure,
-            )
-            stopping = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                await cancel_and_wait(stopping)
-            log.info("node_stopping")
-            sup.stop()
-            try:
-                await sup_task  # raises RestartIntensityExceeded if that is why it ended
-            finally:
-                await zt.close()
+    try:
+        zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys, clock=clock)
+        if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
+            node.rtc = _rtc(topo, name, file, clock)
+        if observe is not None:
+            observe(node)
+        parent = tree.parent[name]
+        specs = _actor_specs(node, zt, tree, cfg.lost_after_s)
+        sup = Supervisor(name, specs, max_restarts=MAX_RESTARTS, within_s=RESTART_WINDOW_S, backoff_s=0.2, clock=clock)
+        node.sup = sup
+        with unwrap_group():  # one error (a crash loop, a bind failure): raised as itself
+            async with asyncio.TaskGroup() as tg:
+                await zt.start_in(tg)
+                if node.rtc is not None:
+                    await node.rtc.start_in(tg)
+                node.flow.start_in(tg)  # its anchor writes: a crash in one is the node's
+                sup_task = await sup.start_in(tg)
+                log.info(
+                    NODE_STARTED,
+                    listen=zt.address or None,
+                    parent=parent,
+                    actors=[c.name for c in specs],
+                    codec_threads=node.threads,
+                    authenticated=keys.secure,
+                )
+                stopping = asyncio.ensure_future(stop.wait())
+                try:
+                    await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    await cancel_and_wait(stopping)
+                log.info("node_stopping")
+                sup.stop()
+                try:
+                    await sup_task  # raises RestartIntensityExceeded if that is why it ended
+                finally:
+                    await zt.close()
+    finally:
+        node.tracker.close()  # the trainer's TensorBoard/W&B files flushed, however the node ends
 
 
 def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float) -> list[ChildSpec]:
@@ -183,7 +187,7 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
             ChildSpec(
                 "publisher",
                 actor=lambda: PublisherActor(
-                    learner, pool, board, node.flow, node.status, topo.run.steps, topo.sync.deliver
+                    learner, pool, board, node.flow, node.status, topo.run.steps, topo.sync.deliver, node.tracker
                 ),
                 restart="transient",
             )
@@ -219,8 +223,12 @@ async def open_trainer(node: Node, store: Path | None) -> None:
         temperature=engine.temperature,
         checkpoint_dir=None if store is None else store / "checkpoints",
         chat=node.topo.task.chat,
+        max_new_tokens=engine.max_new_tokens,
     )
     node.learner = learner
+    if store is not None:
+        config = {"topology": node.topo.name, "task": asdict(node.topo.task), "learner": asdict(node.topo.learner)}
+        node.tracker = open_trackers(store, node.topo.name, config)
     sealer = Sealer(node.keys.signer, node.store.run if node.store is not None else secrets.token_bytes(16))
     latest = None if node.store is None else node.store.latest()
     if latest is None:

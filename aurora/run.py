@@ -304,8 +304,12 @@ def report(trainer_log: Path, state: Path, title: str, progress: Progress) -> No
     plot(rows, state / "metrics.png", title)
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     k = max(1, min(10, len(rewards) // 3))
+    evals = [(r["version"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    said = ""
+    if len(evals) >= 2:
+        said = f"; eval accuracy v{evals[0][0]} {evals[0][1]:.3f}, v{evals[-1][0]} {evals[-1][1]:.3f}"
     progress(
-        f"reward: first {k} steps {sum(rewards[:k]) / k:.3f}, last {k} steps {sum(rewards[-k:]) / k:.3f}; "
+        f"reward: first {k} steps {sum(rewards[:k]) / k:.3f}, last {k} steps {sum(rewards[-k:]) / k:.3f}{said}; "
         f"metrics: {state / 'metrics.jsonl'}, plot: {state / 'metrics.png'}"
     )
 

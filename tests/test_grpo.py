@@ -3,6 +3,7 @@ the published version is the bf16 cast of the master weights, and checkpoints re
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from aurora.config.rl import (
     ArithmeticSpec,
     EngineSpec,
+    EvalSpec,
     GrpoSpec,
     JsonlSpec,
     ModelSpec,
@@ -88,7 +90,7 @@ def test_the_loss_moves_probability_from_worse_to_better_samples_of_a_group() ->
             _response_logp(learner, c.prompt_tokens, s.tokens)
             for p, c in batch
             for s in c.samples
-            if TASK.score(p.answer, learner.tok.decode(s.tokens)).correct is correct
+            if TASK.score(p, learner.tok.decode(s.tokens)).correct is correct
         ]
         return sum(vals) / len(vals)
 
@@ -158,8 +160,8 @@ def test_a_jsonl_task_reads_prompts_and_answers_and_names_a_bad_line(tmp_path: P
     seen = [p for _, p in zip(range(4), task.prompts(0), strict=False)]
     assert sorted({(p.text, p.answer) for p in seen}) == [("abc reversed:", "cba"), ("xy reversed:", "yx")]
     assert [p.id for p in seen] == [0, 1, 2, 3]
-    assert task.score("cba", " cba").correct
-    assert task.score("cba", "cbx").reward == pytest.approx(0.5 * 2 / 3)
+    assert task.score(Prompt(0, "abc reversed:", "cba"), " cba").correct
+    assert task.score(Prompt(0, "abc reversed:", "cba"), "cbx").reward == pytest.approx(0.5 * 2 / 3)
     f.write_text('{"prompt": "a"}\n')
     with pytest.raises(ConfigError, match=r"data\.jsonl:1"):
         make_task(JsonlSpec(path=str(f)))
@@ -202,3 +204,25 @@ def test_shared_parts_run_once_with_the_same_log_probs_and_gradients(monkeypatch
     assert _response_logp(learner, seqs[0][: starts[0]], seqs[0][starts[0] :]) == pytest.approx(
         float(whole[0].sum()), abs=1e-4
     )
+
+
+def test_evaluation_scores_the_versions_greedy_replies_to_held_out_prompts_and_trains_nothing() -> None:
+    learner = _learner(eval=EvalSpec(every=2, prompts=8, max_new_tokens=4))
+    w0 = learner.initial()
+    master = {n: p.detach().clone() for n, p in learner.params.items()}
+    figs = learner.evaluate(0)
+    assert figs is not None
+    assert figs["eval_prompts"] == 8
+    assert learner.evaluate(1) is None
+    assert all(torch.equal(master[n], p) for n, p in learner.params.items())
+    # the same figure as a rollout engine's greedy replies on version 0, scored by the task
+    held = TASK.heldout()[:8]
+    assert not {p.text for p in held} & {p.text for p in itertools.islice(TASK.prompts(0), 2000)}
+    engine = TorchEngine(EngineSpec(model=MODEL, max_new_tokens=4, temperature=0.0))
+    engine.apply(WeightUpdate(0, w0.digest(), w0, None))
+    correct = [
+        TASK.score(p, engine.tok.decode(c.samples[0].tokens)).correct
+        for p, c in zip(held, engine.generate(held, 0), strict=True)
+    ]
+    assert figs["eval_accuracy"] == round(sum(correct) / 8, 4)
+    assert figs["eval_accuracy"] > 0  # the warm start answers some sums right

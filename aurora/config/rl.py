@@ -13,7 +13,8 @@ union: ``arithmetic``, and ``synthetic``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -123,7 +124,62 @@ class JsonlSpec:
             raise ConfigError("a jsonl task needs a path", path="path")
 
 
-TaskSpec = ArithmeticSpec | JsonlSpec
+REWARDS = ("exact", "number", "math")
+"""The built-in rewards of a dataset task; anything else is ``module:function``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetSpec:
+    """Prompts and answers from a local dataset file, read with Hugging Face `datasets`
+    (`aurora.rl.data`), and how replies are scored (`aurora.rl.rewards`)."""
+
+    kind: Literal["dataset"] = "dataset"
+    path: str = ""
+    """A JSONL/JSON, Parquet or CSV file; relative paths are relative to the topology file."""
+    format: Literal["auto", "json", "parquet", "csv"] = "auto"
+    """``auto``: by the file's extension (``.jsonl``/``.json``, ``.parquet``, ``.csv``)."""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chat: bool = False
+    """Put each prompt through the model's chat template as a user turn."""
+    system_prompt: str | None = None
+    """With ``chat``: a system turn before each prompt."""
+    heldout: float = 0.1
+    """Prompts kept out of training for evaluation (every row of each): a fraction in [0, 0.5] of the distinct
+    prompts, or a count when >= 1. Which ones is fixed by the prompts' text (a hash), not by the run's seed,
+    so every run evaluates the same ones."""
+    reward: str = "exact"
+    """``exact`` (the reply, stripped, is the answer), ``number`` (the reply's last number is the answer's),
+    ``math`` (math-verify: ``\\boxed{}``, numeric and symbolic equivalence) or ``module:function``, a
+    function ``fn(prompt: str, completion: str, answer: str) -> float`` in [0, 1] (imported on the trainer
+    only, ``reward_dir`` first on the module path)."""
+    reward_dir: str | None = None
+    """Where a ``module:function`` reward's module is looked for first; default the topology file's directory."""
+    reward_timeout_s: float = 5.0
+    """How long one call of a ``math`` or ``module:function`` reward may take (it runs in a worker process);
+    past it the sample scores 0."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("a dataset task needs a path", path="path")
+        if not self.prompt_field or not self.answer_field:
+            raise ConfigError("must name a field", path="prompt_field" if not self.prompt_field else "answer_field")
+        h = self.heldout
+        if not math.isfinite(h) or h < 0 or 0.5 < h < 1 or (h >= 1 and h != int(h)):
+            raise ConfigError("must be a fraction in [0, 0.5] or a whole count >= 1", path="heldout")
+        if self.reward not in REWARDS:
+            mod, sep, fn = self.reward.partition(":")
+            if not sep or not mod or not fn.isidentifier() or not all(p.isidentifier() for p in mod.split(".")):
+                raise ConfigError(
+                    f"{self.reward!r} is not a reward: one of {', '.join(REWARDS)}, or module:function", path="reward"
+                )
+        if not (math.isfinite(self.reward_timeout_s) and self.reward_timeout_s > 0):
+            raise ConfigError("must be > 0", path="reward_timeout_s")
+        if self.system_prompt is not None and not self.chat:
+            raise ConfigError("a system prompt needs chat: true", path="system_prompt")
+
+
+TaskSpec = ArithmeticSpec | JsonlSpec | DatasetSpec
 
 ENGINE_KINDS = ("torch", "vllm", "synthetic")
 
@@ -195,6 +251,30 @@ class SyntheticSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EvalSpec:
+    """Held-out evaluation of published versions, on the trainer (`aurora.rl.evaluate`): greedy replies
+    to the task's held-out prompts, scored for correctness only."""
+
+    every: int = 0
+    """Evaluate every this many versions (and version 0); 0: never."""
+    prompts: int = 32
+    """How many held-out prompts (the same ones each time; fewer if the task holds fewer)."""
+    max_new_tokens: int | None = None
+    """None: the engine's."""
+    batch: int = 16
+    """Prompts generated at once."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError("must be >= 0", path="every")
+        for name in ("prompts", "batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be >= 1", path=name)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ConfigError("must be >= 1", path="max_new_tokens")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GrpoSpec:
     """Group-relative policy optimisation (`aurora.rl.learners.grpo`)."""
 
@@ -222,6 +302,8 @@ class GrpoSpec:
     """Skip groups whose samples all scored the same (no signal). False: train on them with
     advantage 0 too, so every step costs the same whatever the rewards (`aurora bench rl`)."""
     seed: int = 0
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    """Held-out evaluation (off by default)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "prompts_per_step", "epochs", "warm_start_batch"):
@@ -247,8 +329,11 @@ def resolve_paths(
 ) -> tuple[TaskSpec, ModelSpec | None, LearnerSpec, EngineSpec | None]:
     """The sections with relative paths made absolute against ``file``'s directory, and the engine's
     model defaulting to the topology's."""
-    if isinstance(task, JsonlSpec) and not Path(task.path).is_absolute() and file:
+    if isinstance(task, JsonlSpec | DatasetSpec) and not Path(task.path).is_absolute() and file:
         task = replace(task, path=str(Path(file).parent / task.path))
+    if isinstance(task, DatasetSpec):
+        base = Path(file).parent if file else Path()
+        task = replace(task, reward_dir=str((base / (task.reward_dir or ".")).resolve()))
     model = model.resolved(file) if model is not None else None
     if isinstance(learner, SyntheticSpec) and learner.model is not None:
         learner = replace(learner, model=learner.model.resolved(file))

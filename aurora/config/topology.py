@@ -27,7 +27,10 @@ import yaml
 
 from aurora.config.rl import (
     ArithmeticSpec,
+    DatasetSpec,
     EngineSpec,
+    GrpoSpec,
+    JsonlSpec,
     LearnerSpec,
     ModelSpec,
     SyntheticSpec,
@@ -289,6 +292,13 @@ def check(t: Topology, file: str | None = None) -> None:
     def fail(path: str, msg: str) -> ConfigError:
         return ConfigError(msg, file=file, path=path)
 
+    if isinstance(t.learner, GrpoSpec) and t.learner.eval.every:
+        if isinstance(t.task, JsonlSpec):
+            raise fail(
+                "learner.eval.every", "a jsonl task holds no prompts out to evaluate on (use task kind: dataset)"
+            )
+        if isinstance(t.task, DatasetSpec) and t.task.heldout == 0:
+            raise fail("learner.eval.every", "task.heldout is 0: no prompts are held out to evaluate on")
     regions = [r.name for r in t.regions]
     _unique(regions, "regions", "name", fail)
     names = [n.name for n in t.nodes]

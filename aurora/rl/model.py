@@ -138,12 +138,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
 
-    def chat(self, text: str) -> list[int]:
-        """``text`` as one user turn through the model's chat template, ready for the assistant's reply."""
+    def chat(self, text: str, system: str | None = None) -> list[int]:
+        """``text`` as one user turn (after a ``system`` turn, if given) through the model's chat template,
+        ready for the assistant's reply."""
         if not self.has_chat_template:
             raise ConfigError("this model's tokenizer has no chat template (set task.chat: false)", path="task.chat")
+        turns = [{"role": "system", "content": system}] if system is not None else []
         ids = self.hf.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            [*turns, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]

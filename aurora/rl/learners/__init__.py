@@ -17,13 +17,20 @@ def make_learner(
     temperature: float,
     checkpoint_dir: Path | None,
     chat: bool = False,
+    max_new_tokens: int = 16,
 ) -> Learner:
     """The learner ``spec`` describes (``model``: the topology's, paths resolved)."""
     if isinstance(spec, GrpoSpec):
         from aurora.rl.learners.grpo import GrpoLearner
 
         return GrpoLearner(
-            spec, model or ModelSpec(), task, temperature=temperature, checkpoint_dir=checkpoint_dir, chat=chat
+            spec,
+            model or ModelSpec(),
+            task,
+            temperature=temperature,
+            checkpoint_dir=checkpoint_dir,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
         )
     from aurora.rl.learners.synthetic import SyntheticLearner
 

@@ -34,6 +34,11 @@ class Learner(Protocol):
         """Train on ``batch`` ((prompt, completion) pairs); return the next version's weights (a new object)."""
         ...
 
+    def evaluate(self, version: int) -> dict[str, Any] | None:
+        """Held-out figures (``eval_accuracy``, ...) of the weights of ``version`` (the last returned)
+        when an evaluation is due at it; None otherwise (and always, for load generators)."""
+        ...
+
     def restore(self, weights: Weights, version: int) -> None:
         """Continue from ``version`` (read back from the store after a restart)."""
         ...

@@ -44,6 +44,7 @@ from aurora.codec import Weights
 from aurora.config.rl import GrpoSpec, ModelSpec
 from aurora.errors import ConfigError, LearnerError
 from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
+from aurora.rl.evaluate import Evaluator
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.tasks import Task
 from aurora.rl.types import Completion, Prompt
@@ -134,6 +135,7 @@ class GrpoLearner:
         temperature: float,
         checkpoint_dir: Path | None = None,
         chat: bool = False,
+        max_new_tokens: int = 16,
     ) -> None:
         if temperature <= 0:
             raise ConfigError("GRPO needs sampled rollouts: engine.temperature must be > 0", path="engine.temperature")
@@ -147,7 +149,11 @@ class GrpoLearner:
         self.model = build_model(model).float().train()
         self.params = dict(self.model.named_parameters())
         self.opt = self._optimizer()
+        self.evaluator = Evaluator(spec.eval, task, model, self.tokenize, max_new_tokens)
+        if spec.eval.every and not self.evaluator.prompts:
+            log.warning("no_evaluation", why="the task holds no prompts out (learner.eval.every is set)")
         self.ref: Any = None
+        self._errors_seen = 0
         self._published: Weights | None = None
         """The last version returned: a step that trains nothing returns it again (unchanged, same arrays)."""
         self.version = 0
@@ -178,9 +184,24 @@ class GrpoLearner:
         self._published = Weights.from_tensors(cast)
         return self._published
 
+    def _reward_errors(self) -> int:
+        """Reward calls that failed (each scored 0) since the last step, the evaluation's included."""
+        total = int(getattr(self.task, "reward_errors", 0))
+        new, self._errors_seen = total - self._errors_seen, total
+        return new
+
+    def evaluate(self, version: int) -> dict[str, Any] | None:
+        """The held-out figures of the current weights (version ``version``) when ``eval.every`` says
+        so, else None (`aurora.rl.evaluate`)."""
+        if not self.evaluator.due(version) or self._published is None:
+            return None
+        return self.evaluator.run(self._published, version)
+
     def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
         """The prompt's token ids, as workers generate from them and the learner trains on them."""
-        return tuple(self.tok.chat(prompt.text) if self.chat else self.tok.encode(prompt.text))
+        if self.chat:
+            return tuple(self.tok.chat(prompt.text, self.task.system_prompt))
+        return tuple(self.tok.encode(prompt.text))
 
     @property
     def vocab_size(self) -> int:
@@ -319,6 +340,7 @@ class GrpoLearner:
             "grad_norm": round(train.grad_norm, 4) if train.grad_norm is not None else None,
             "nonfinite_skipped": train.skipped,
             "staleness": round(sum(stale) / len(stale), 3) if stale else None,
+            "reward_errors": self._reward_errors(),
             "learn_s": round(time.monotonic() - t0, 4),
         }
         if train.skipped:
@@ -341,7 +363,7 @@ class GrpoLearner:
     def _score(self, prompt: Prompt, comp: Completion) -> _Scored:
         """Rewards from the tokens the learner trains on (decoded here, never a worker's text), and
         each sample's training row: prompt and response tokens, advantage, behaviour log-probs."""
-        scores = [self.task.score(prompt.answer, self.tok.decode(s.tokens)) for s in comp.samples]
+        scores = [self.task.score(prompt, self.tok.decode(s.tokens)) for s in comp.samples]
         r = torch.tensor([sc.reward for sc in scores])
         adv, std = group_advantages(r)  # all 0 for a flat group
         rows: list[_Row] = [

@@ -69,6 +69,9 @@ class SyntheticLearner:
     def initial(self) -> Weights:
         return self._weights()
 
+    def evaluate(self, version: int) -> dict[str, Any] | None:
+        return None  # nothing to evaluate: a load generator
+
     def restore(self, weights: Weights, version: int) -> None:
         for n, tb in weights.items():
             if n not in self._bits or tb.bits.size != self._bits[n].size:

@@ -1,0 +1,65 @@
+"""The examples run as a user would run them: `aurora run` on examples/reverse (a dataset of its own
+and a reward function of its own, on the tiny model), with the held-out evaluation in the run's
+metrics and TensorBoard files beside them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _here(tmp: Path, steps: int) -> Path:
+    shutil.copytree(ROOT / "examples" / "reverse", tmp / "reverse")
+    path = tmp / "reverse" / "topology.yaml"
+    text = path.read_text()
+    text = text.replace("../../runs/models/tiny-0", str(tmp / "models" / "tiny-0"))
+    text = text.replace("../../runs/keys/reverse", str(tmp / "keys"))
+    ports = iter(free_ports(2))
+    text = re.sub(r"127\.0\.0\.1:4720\d", lambda _: f"127.0.0.1:{next(ports)}", text)
+    text = text.replace("run: {steps: 60}", f"run: {{steps: {steps}}}").replace("every: 10", "every: 5")
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_the_reverse_example_trains_on_its_dataset_with_its_reward_and_evaluates(tmp_path: Path) -> None:
+    steps = 10
+    state = tmp_path / "state"
+    check = subprocess.run(
+        [sys.executable, "-m", "aurora", "topology", "check", str(_here(tmp_path, steps))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr
+    assert "600 rows, 60 held out; reward reward:score" in check.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "run", str(tmp_path / "reverse" / "topology.yaml"), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+    assert [row["version"] for row in rows] == list(range(steps + 1))
+    evals = {row["version"]: row["eval_accuracy"] for row in rows if row.get("eval_accuracy") is not None}
+    assert sorted(evals) == [0, 5, 10]
+    assert all(0 <= a <= 1 for a in evals.values())
+    assert all(row["reward_errors"] == 0 and 0 <= row["reward"] <= 1 for row in rows[1:])
+    assert "eval accuracy v0" in r.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(state / "trainer" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 5, 10]
+    assert [e.step for e in acc.Scalars("train/reward")] == list(range(1, steps + 1))
