@@ -21,7 +21,8 @@ The kernel (0-5) never imports ``aurora.actors`` or ``aurora.transport``:
 Above the kernel:
 
 6. ``aurora.transport`` — links between nodes, on the kernel only (not the actors that use them);
-   ``aurora.display`` and ``aurora.metrics`` — what the composition roots show and write, kernel only;
+   ``aurora.display``, ``aurora.metrics`` and ``aurora.tracking`` — what the composition roots show and
+   write, and where a trainer's figures go (TensorBoard, W&B), kernel only;
 7. ``aurora.actors`` — the drivers: kernel and transports; ``aurora.testing`` — the product fakes:
    kernel and transports (its fakes implement the transport's interfaces), never the actors they
    are there to test.
@@ -74,6 +75,7 @@ LAYER = {
     "aurora.transport": 6,
     "aurora.display": 6,
     "aurora.metrics": 6,
+    "aurora.tracking": 6,
     "aurora.actors": 7,
     "aurora.testing": 7,
     "aurora.cli": ANYTHING,
