@@ -24,7 +24,7 @@ import itertools
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +120,18 @@ def split(rows: list[tuple[str, str]], heldout: float) -> tuple[list[tuple[str, 
     return [r for r in rows if r[0] not in out], [r for r in rows if r[0] in out]
 
 
+def cycle_rows(rows: Sequence[tuple[str, str]], seed: int) -> Iterator[Prompt]:
+    """Endless prompts from (text, answer) rows: every row once per epoch, in a seeded order, ids 0, 1, ..."""
+    rng = random.Random(seed)
+    order = list(range(len(rows)))
+    ids = itertools.count()
+    while True:
+        rng.shuffle(order)
+        for k in order:
+            text, answer = rows[k]
+            yield Prompt(next(ids), text, answer)
+
+
 @dataclass(frozen=True)
 class DatasetTask:
     """See the module docstring."""
@@ -144,14 +156,7 @@ class DatasetTask:
         return self.spec.system_prompt
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
-        order = list(range(len(self.train)))
-        ids = itertools.count()
-        while True:
-            rng.shuffle(order)
-            for k in order:
-                text, answer = self.train[k]
-                yield Prompt(next(ids), text, answer)
+        return cycle_rows(self.train, seed)
 
     def heldout(self) -> list[Prompt]:
         return [Prompt(-1 - i, t, a) for i, (t, a) in enumerate(self.held)]

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from aurora.config.rl import ArithmeticSpec, DatasetSpec, TaskSpec
 from aurora.errors import ConfigError
+from aurora.rl.data import DatasetTask, cycle_rows
 from aurora.rl.rewards import Score
 from aurora.rl.types import Prompt
 
@@ -185,14 +186,7 @@ class JsonlTask:
         return cls(str(path), tuple(rows), chat)
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
-        order = list(range(len(self.rows)))
-        ids = itertools.count()
-        while True:
-            rng.shuffle(order)
-            for k in order:
-                text, answer = self.rows[k]
-                yield Prompt(next(ids), text, answer)
+        return cycle_rows(self.rows, seed)
 
     def heldout(self) -> list[Prompt]:
         return []  # every row trains (a dataset task holds some out)
@@ -207,7 +201,5 @@ def make_task(spec: TaskSpec) -> Task:
     if isinstance(spec, ArithmeticSpec):
         return ArithmeticTask(spec)
     if isinstance(spec, DatasetSpec):
-        from aurora.rl.data import DatasetTask
-
         return DatasetTask.load(spec)
     return JsonlTask.load(Path(spec.path), spec.chat)
