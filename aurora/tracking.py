@@ -115,7 +115,13 @@ class WandB(_Guarded):
         super().__init__("wandb")
         import wandb
 
-        self.run = wandb.init(dir=str(run_dir), name=name, config=dict(config), reinit="finish_previous")
+        self.run = wandb.init(
+            dir=str(run_dir),
+            name=name,
+            config=dict(config),
+            reinit="finish_previous",
+            settings=wandb.Settings(console="off"),  # the node's stderr is its JSON log: not wrapped
+        )
 
     def record(self, version: int, figures: Mapping[str, Any]) -> None:
         if self.failed:

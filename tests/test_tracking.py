@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from aurora.events import EVALUATED, STEP, VERSION_PUBLISHED, VERSION_SYNCED
@@ -83,3 +84,19 @@ def test_the_eval_accuracy_reaches_the_metrics_rows_and_the_plot(tmp_path: Path)
     assert rows[1]["sync_s"] == 0.3
     assert plot(rows, tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     assert smooth([1.0] * 5 + [0.0] * 15) == [1.0] * 5 + [0.5, 0.0] + [0.0] * 13
+
+
+def test_wandb_offline_when_installed_and_configured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W&B is not one of Aurora's dependencies: this runs where a user installed it (it did here, by hand)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "aurora-test")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = open_trackers(tmp_path, "run", {"learner": {"lr": 1e-5}})
+    assert [type(x).__name__ for x in t.trackers] == ["TensorBoard", "WandB"]
+    t.record(1, {"reward": 0.5, "eval_accuracy": 0.25})
+    t.close()
+    assert not any(getattr(x, "failed", False) for x in t.trackers)
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    assert runs[0].stat().st_size > 0
