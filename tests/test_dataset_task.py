@@ -168,6 +168,11 @@ def test_arithmetic_holds_out_sums_it_never_asks() -> None:
     # between the two (1,089 sums, about 107 held out): a bounded search, not an endless one
     mid = ArithmeticTask(ArithmeticSpec(max_operand=32)).heldout()
     assert 50 < len(mid) < ArithmeticTask.HELDOUT_MAX
+    # the fraction is the task's: more of them, or none
+    assert 20 < len(ArithmeticTask(ArithmeticSpec(max_operand=9, heldout=0.3)).heldout()) < 45
+    assert ArithmeticTask(ArithmeticSpec(max_operand=999, heldout=0)).heldout() == []
+    with pytest.raises(ConfigError, match="heldout"):
+        ArithmeticSpec(heldout=0.7)
 
 
 def test_csv_cells_are_read_as_written_and_whole_floats_lose_their_point(tmp_path: Path) -> None:

@@ -101,8 +101,13 @@ class ArithmeticSpec:
     concise: bool = False
     """With ``chat``: ask for only the number, and give full credit only to a reply that is just the
     number (half to the right number among other words)."""
+    heldout: float = 0.1
+    """The fraction of sums never asked in training (chosen by a hash of the expression): the held-out
+    prompts of ``learner.eval``, at most 256 of them."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.heldout) and 0 <= self.heldout <= 0.5):
+            raise ConfigError("must be a fraction in [0, 0.5]", path="heldout")
         if self.max_operand < 1:
             raise ConfigError("must be >= 1", path="max_operand")
         if not 2 <= self.operands <= 8:

@@ -297,7 +297,7 @@ def check(t: Topology, file: str | None = None) -> None:
             raise fail(
                 "learner.eval.every", "a jsonl task holds no prompts out to evaluate on (use task kind: dataset)"
             )
-        if isinstance(t.task, DatasetSpec) and t.task.heldout == 0:
+        if isinstance(t.task, DatasetSpec | ArithmeticSpec) and t.task.heldout == 0:
             raise fail("learner.eval.every", "task.heldout is 0: no prompts are held out to evaluate on")
     regions = [r.name for r in t.regions]
     _unique(regions, "regions", "name", fail)

@@ -108,9 +108,8 @@ class ArithmeticTask:
     spec: ArithmeticSpec = field(default_factory=ArithmeticSpec)
     system_prompt: str | None = None
 
-    HELDOUT = 0.1
-    """The fraction of sums held out (by their expression); `heldout` lists up to `HELDOUT_MAX` of them."""
     HELDOUT_MAX = 256
+    """`heldout` lists at most this many of the held-out sums (``spec.heldout`` of them, by expression)."""
 
     @property
     def chat(self) -> bool:
@@ -119,34 +118,46 @@ class ArithmeticTask:
     def _text(self, xs: list[int]) -> tuple[str, bool]:
         expr = "+".join(map(str, xs))
         ask = "Reply with only the number." if self.spec.concise else "Give the answer as a number."
-        return (f"What is {expr}? {ask}" if self.spec.chat else f"{expr}="), held_out(expr, self.HELDOUT)
+        return (f"What is {expr}? {ask}" if self.spec.chat else f"{expr}="), held_out(expr, self.spec.heldout)
 
-    def _draws(self, seed: int, keep_heldout: bool) -> Iterator[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        m, k = self.spec.max_operand, self.spec.operands
+        if (m + 1) ** k <= 4 * self.HELDOUT_MAX and not any(
+            not self._text(list(xs))[1] for xs in itertools.product(range(m + 1), repeat=k)
+        ):
+            raise ConfigError(f"heldout {self.spec.heldout} leaves no sum to train on", path="task.heldout")
+
+    def _draws(self, seed: int) -> Iterator[tuple[str, str, bool]]:
+        """Endless seeded draws: (prompt text, answer, held out)."""
         rng = random.Random(seed)
         m, k = self.spec.max_operand, self.spec.operands
         while True:
             xs = [rng.randint(0, m) for _ in range(k)]
             text, out = self._text(xs)
-            if out == keep_heldout:
-                yield text, str(sum(xs))
+            yield text, str(sum(xs)), out
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
-        for i, (text, answer) in zip(itertools.count(), self._draws(seed, False), strict=False):
-            yield Prompt(i, text, answer)
+        ids = itertools.count()
+        for text, answer, out in self._draws(seed):
+            if not out:
+                yield Prompt(next(ids), text, answer)
 
     def heldout(self) -> list[Prompt]:
         """Up to `HELDOUT_MAX` held-out sums: all of them, in order, when there are few sums; else the
-        distinct ones met in a bounded run of draws from a seed of their own."""
+        distinct ones met in a bounded number of draws from a seed of their own."""
         m, k = self.spec.max_operand, self.spec.operands
+        if not self.spec.heldout:
+            return []
         if (m + 1) ** k <= 4 * self.HELDOUT_MAX:
             rows = [(*self._text(list(xs)), str(sum(xs))) for xs in itertools.product(range(m + 1), repeat=k)]
             kept = [(t, a) for t, out, a in rows if out][: self.HELDOUT_MAX]
         else:
             seen: dict[str, str] = {}
-            for text, answer in itertools.islice(self._draws(-1, True), 64 * self.HELDOUT_MAX):
-                seen.setdefault(text, answer)
-                if len(seen) == self.HELDOUT_MAX:
-                    break
+            for text, answer, out in itertools.islice(self._draws(-1), 1000 * self.HELDOUT_MAX):
+                if out:
+                    seen.setdefault(text, answer)
+                    if len(seen) == self.HELDOUT_MAX:
+                        break
             kept = list(seen.items())
         return [Prompt(-1 - i, t, a) for i, (t, a) in enumerate(kept)]
 
