@@ -34,6 +34,7 @@ STEP_FIELDS = (
     "tokens",
     "learn_s",
     "reward_errors",
+    "score_us",
 )
 
 

@@ -5,7 +5,7 @@ configured. The trainer records each version's figures as they happen (`Tracker.
 What goes where (the TensorBoard tag; W&B takes the same names):
 
 - ``train/…``: the learner's step: reward, accuracy, loss, kl, clip_frac, grad_norm, staleness,
-  tokens, learn_s, reward_errors;
+  tokens, learn_s, reward_errors, score_us (the scoring's µs per sample);
 - ``eval/accuracy``, ``eval/seconds``: the held-out evaluation (`aurora.rl.evaluate`);
 - ``delta/bytes``, ``delta/density``, ``delta/seal_s``: the version as it went out;
 - ``sync/seconds``: from publication until every node held it;
@@ -44,6 +44,7 @@ TAGS: dict[str, str] = {
     "tokens": "train/tokens",
     "learn_s": "train/learn_s",
     "reward_errors": "train/reward_errors",
+    "score_us": "train/score_us",
     "eval_accuracy": "eval/accuracy",
     "eval_s": "eval/seconds",
     "bytes": "delta/bytes",

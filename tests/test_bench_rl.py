@@ -84,3 +84,5 @@ def test_bench_rl_prints_sync_next_to_the_ideal(tmp_path: Path) -> None:
         assert set(got[mode]["cpu_ms_per_step"]) == {"trainer", "relay", "rollout", "all"}
         assert all(v > 0 for v in got[mode]["cpu_ms_per_step"].values())
     assert "CPU ms per step" in r.stdout
+    assert got["sync"]["score_us"] > 0  # the trainer's scoring, per sample
+    assert "scoring:" in r.stdout

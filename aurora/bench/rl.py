@@ -129,7 +129,8 @@ def _trust(
 ) -> dict[str, Any]:
     """What authenticating versions and results cost, from the logs within the timed window: the
     trainer's seal per version (state hash waited for + signature) against its publish time, each
-    node's seal check per commit, and the coordinator's checks per result."""
+    node's seal check per commit, and the coordinator's checks per result; and the learner's scoring
+    per sample (decode + reward)."""
 
     def within(e: dict[str, Any]) -> bool:
         return t0 <= event_time(e) <= t1
@@ -142,6 +143,7 @@ def _trust(
         if e.get("event") == VERSION_COMMITTED and e.get("verify_s") is not None and within(e)
     ]
     checks = [e["validate_us"] for e in events if e.get("event") == STEP and e.get("validate_us") is not None]
+    scoring = [float(e["score_us"]) for e in events if e.get("event") == STEP and e.get("score_us") is not None]
 
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
@@ -153,6 +155,7 @@ def _trust(
         "verify_ms": None if not commits else 1e3 * sum(float(e["verify_s"]) for e in commits) / len(commits),
         "verified_by": sorted({str(e.get("verified")) for e in commits}),
         "validate_us": checks[-1] if checks else None,
+        "score_us": mean(scoring),
     }
 
 
@@ -206,6 +209,8 @@ def render(r: dict[str, Any]) -> str:
             f"(verified by {'/'.join(s['verified_by'])}); result checks {s['validate_us'] or 0:.0f} µs "
             "per result"
         )
+    if s.get("score_us") is not None:
+        lines.append(f"scoring: {s['score_us']:.0f} µs per sample on the trainer (decode + reward), mean of the steps")
     cpu = {mode: r[mode].get("cpu_ms_per_step") for mode in ("sync", "ideal")}
     if cpu["sync"] and cpu["ideal"]:
         cols = [c for c in ("trainer", "relay", "rollout", "all") if c in cpu["sync"] and c in cpu["ideal"]]

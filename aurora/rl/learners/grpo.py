@@ -321,6 +321,7 @@ class GrpoLearner:
         ``nonfinite_skipped``); a version with a non-finite value is never returned (`LearnerError`)."""
         t0 = time.monotonic()
         scored = [self._score(prompt, comp) for prompt, comp in batch]
+        score_s = time.monotonic() - t0
         rows = [row for sc in scored if sc.train for row in sc.rows]
         train = self._train(rows) if rows else _Trained()
         self.version += 1
@@ -341,6 +342,7 @@ class GrpoLearner:
             "nonfinite_skipped": train.skipped,
             "staleness": round(sum(stale) / len(stale), 3) if stale else None,
             "reward_errors": self._reward_errors(),
+            "score_us": round(1e6 * score_s / n, 1),
             "learn_s": round(time.monotonic() - t0, 4),
         }
         if train.skipped:
