@@ -295,7 +295,8 @@ class PublisherActor(Actor):
     ``v + 1``. Versions still go out in order, one at a time: ``v + 1`` is published once ``v``
     is. A learner that fails lets the publication in flight finish first, so every version the
     flow holds is one the learner made. When an evaluation is due (``learner.eval``), the learner
-    evaluates the version it just made while that version is published, before its next step.
+    evaluates the version it just made while that version is published, before its next step (the
+    run's last version before it is published: a run ends once every node holds it).
     ``deliver`` False: versions are adopted, not sent (the sync-free ideal of `aurora bench rl`)."""
 
     def __init__(
@@ -360,8 +361,12 @@ class PublisherActor(Actor):
                 if publishing is not None:
                     await publishing
                 learned += 1
+                last = learned >= self.steps
+                if last:  # before it goes out: a run ends once every node holds its last version
+                    await self._evaluate(learned)
                 publishing = tg.create_task(self._publish(new, len(batch), dict(learner.stats)))
-                await self._evaluate(learned)  # while that version is published
+                if not last:
+                    await self._evaluate(learned)  # while that version is published
 
     async def _publish(self, new: Weights, results: int, stats: dict[str, Any]) -> None:
         flow, board = self.flow, self.board
