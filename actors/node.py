@@ -30,9 +30,10 @@ Trust and isolation (docs/security.md):
   relay for the nodes that may be below it;
 * every message is typed and validated on arrival; one that is out of place is the
   peer's fault (`Channel.fault`): dropped, and a peer that keeps at it is cut off;
-* anything that goes wrong while serving one child closes that child's channel, and
-  anything that goes wrong with a parent's stream makes the node leave that parent
-  (`parent_failed`) and try the next: no peer can crash an actor or the node.
+* blame by cause (`aurora.errors.peer_fault`): a peer's fault while serving one child closes
+  that child's channel, and one in a parent's stream makes the node leave that parent
+  (`parent_failed`) and try the next, so no peer can crash an actor or the node; any other
+  error (a bug, a full disk) crashes the actor, and its supervisor counts it.
 
 The tree that runs is the planned tree: at start a node keeps trying its planned parent
 for `PLANNED_PATIENCE_S` before it falls back, and a node on a fallback parent probes its
@@ -429,7 +430,7 @@ class ChildrenActor(Actor):
 
 
 async def _child(node: TreeView, ch: Channel) -> None:
-    """Serve one child channel. Whatever goes wrong here closes this channel and no other."""
+    """Serve one child channel. A peer's fault closes this channel and no other; a local failure crashes the actor."""
     try:
         await _serve_child(node, ch)
     except TransportClosed as e:

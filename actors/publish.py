@@ -121,7 +121,7 @@ class Publishing:
             wait_s = time.perf_counter() - t
         finally:
             if hashing is not None and not hashing.done():
-                await cancel_and_wait(hashing)  # the thread runs on, unheard
+                await cancel_and_wait(hashing)  # returns once the hashing thread has ended (in_thread)
             if isinstance(chunks, Generator):
                 chunks.close()  # a cancelled publish leaves no chunk jobs running
         t = time.perf_counter()

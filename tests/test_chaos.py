@@ -264,3 +264,27 @@ def test_the_checker_catches_a_result_trained_twice_and_knows_a_returned_batch()
     h["trainer"][0].insert(3, _e(BATCH_RETURNED, 2, items=[0, 1]))  # given back untrained, never retaken
     h["trainer"][1][1] = _e(RESULTS_RESTORED, 20, items=[0, 1, 4, 5], next=6, done=2)
     assert _rules(h) == []
+
+
+def test_aurora_chaos_exits_1_with_the_first_violation_and_the_history_around_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import aurora.chaos
+    from aurora.chaos import Outcome, around, line
+    from aurora.cli import main
+
+    lives = _clean()
+    lives["trainer"][0][4] = _e(RESULT_ACCEPTED, 4, item=2, version=0, current=2)  # 2 versions old, bound 1
+    report = check(lives, "trainer", 1, 4)
+    history = [dict(e, node=n, life=k) for n, ls in lives.items() for k, life in enumerate(ls) for e in life]
+    history.sort(key=lambda e: str(e["timestamp"]))
+    outcome = Outcome(report, [], 0, 1.0, tmp_path, history)
+    monkeypatch.setattr(aurora.chaos, "run_chaos", lambda *a, **k: outcome)
+
+    assert main(["chaos", "topologies/tiny.yaml", "--steps", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION (staleness) on trainer" in out
+    shown = around(history, report.violations[0])
+    assert shown and all("  " + line(e) in out.splitlines() for e in shown)
+    assert "  " + line(dict(lives["trainer"][0][4], node="trainer", life=0)) in out.splitlines()
+    assert f"logs: {tmp_path}" in out

@@ -5,7 +5,7 @@ announces it, its chunks follow in any order, and a streamed delta's seal comes 
 or snapshot brings its seal with the manifest). The bytes are checked by the codec and the seal by
 `aurora.auth.seal`; this machine holds the *rules* — which manifest may begin, which chunk or
 seal is in place, when a delta is streamed on to the children, when it is complete, and what the
-seal's check must cover — and says what the driver (`aurora.actors.flow.VersionFlow`) is to do.
+seal's check must cover — and says what the driver (`aurora.actors.intake.IntakeDriver`) is to do.
 No clock, no I/O, no logging.
 
 Inputs: `manifest` (its header and what the parsed manifest says), `chunk_in_place` then
