@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -271,7 +272,9 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "outside the staleness bound or their lease are rejected. A node whose parent is lost "
         "re-attaches to its fallback parents and catches up. A node whose transport is webrtc reaches "
         "its parent over a WebRTC data channel, signalled through the parent; CurveZMQ keys in the "
-        "topology are used when set. Logs are structlog JSON lines (console on a terminal).",
+        "topology are used when set. A missing model directory (model.path) is first made, as "
+        "`aurora run` makes it: fetched when model.fetch names a known model, else built from "
+        "model.preset. Logs are structlog JSON lines (console on a terminal).",
     )
     p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     p.add_argument("--name", required=True, help="this node's name in the topology")
@@ -311,11 +314,40 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the trainer publishes N versions, instead of the topology's run.steps",
     )
     p.add_argument(
+        "--bind",
+        default=None,
+        metavar="ADDR",
+        help="the address this node listens on (e.g. tcp://0.0.0.0:47000) when it differs from its "
+        "listen address in the topology, which is where its children dial it (a container or a "
+        "machine behind a cloud's NAT binds every interface; its children dial a name or a public "
+        "address); default: the listen address",
+    )
+    p.add_argument(
         "--faults",
         action="store_true",
         help="accept fault-injection signals, as `aurora chaos` sends them: SIGUSR1 toggles a silent "
         "partition from the node's planned parent, SIGUSR2 toggles not reading from it (for soak tests)",
     )
+
+
+def _add_deploy(sub: Any) -> None:
+    p = sub.add_parser(
+        "deploy",
+        help="write a topology as Docker Compose, Kubernetes or SkyPilot files",
+        description="Write the files that run every node of the topology on real machines with a container "
+        "engine: --to compose (one service per node on one Docker host: compose.yaml), kubernetes (per node "
+        "a Deployment, its own Secret, a Service when it listens, the region as a node selector: "
+        "kubernetes/*.yaml) or skypilot (one managed-job task per node with its region's cloud, region, "
+        "GPUs and ports: skypilot/*.yaml). Every node runs `aurora node` in the image deploy.image "
+        "(deploy.gpu_image where deploy.gpus gives its role GPUs; docker/*.Dockerfile build them), is "
+        "restarted by the engine when its process ends, mounts the same bundle/ (the topology rewritten "
+        "for the engine, every public key, the task's files) and only its own secrets/NODE/ (its CurveZMQ "
+        "secret key; the trainer's signing key on the trainer). DIR must be new or empty; it is written "
+        "whole or not at all. The topology needs its keys (aurora keys generate --topology T.yaml).",
+    )
+    p.add_argument("topology", type=Path, help="the topology YAML file")
+    p.add_argument("--to", required=True, choices=["compose", "kubernetes", "skypilot"], help="the engine")
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="a new directory for the files")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,7 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "json", "console"],
         help="log format (auto: console on a terminal, JSON lines otherwise)",
     )
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,node,status,chaos,delta,bench,keys,model,topology}")
+    sub = p.add_subparsers(
+        dest="cmd", required=True, metavar="{run,node,status,chaos,deploy,delta,bench,keys,model,topology}"
+    )
+    _add_deploy(sub)
     _add_delta(sub)
     _add_bench(sub)
     _add_keys(sub)
@@ -809,6 +844,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
     from aurora.node import run_node
+    from aurora.run import ensure_model
 
     topo = load_topology(args.topology)
     tree = plan(topo, str(args.topology))
@@ -824,6 +860,14 @@ def cmd_node(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise AuroraError(f"--steps must be at least 1, not {args.steps}")
         topo = dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=args.steps))
+    if args.bind is not None:
+        if topo.node(args.name).listen is None:
+            raise AuroraError(
+                f"--bind: node {args.name!r} has no listen address in {args.topology} (it has no children)"
+            )
+        if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", args.bind):
+            raise AuroraError(f"--bind must be tcp://HOST:PORT, not {args.bind!r}")
+    ensure_model(topo, args.topology, lambda m: print(m, file=sys.stderr, flush=True), cache=_default_cache())
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -843,6 +887,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             store=args.store,
             insecure=args.insecure,
             threads=args.threads,
+            bind=args.bind,
         )
 
     asyncio.run(main())
@@ -899,6 +944,27 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         print("  " + line(e))
     print(f"logs: {out.state}")
     return 1
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from aurora.deploy import deploy
+
+    d, files = deploy(args.topology, args.to, args.out)
+    print(f"wrote {args.out}: {len(d.units)} nodes of {args.topology} for {args.to}")
+    for u in d.units:
+        gpu = f", {u.gpus} GPU" if u.gpus else ""
+        port = f", listens on {u.port}" if u.port is not None else ""
+        print(f"  {u.name} ({u.role}, {u.region}{gpu}{port}): {u.image}; its secrets: {args.out / 'secrets' / u.name}")
+    for note in d.notes:
+        print(f"  {note}")
+    run = {
+        "compose": f"cd {args.out} && docker compose up -d",
+        "kubernetes": f"kubectl apply -f {args.out}/kubernetes/",
+        "skypilot": f"cd {args.out} && sky jobs launch -y skypilot/NODE.yaml  (the trainer first, then relays, then rollouts)",
+    }[args.to]
+    print(f"files: {', '.join(str(f.relative_to(args.out)) for f in files[:6])}{' ...' if len(files) > 6 else ''}")
+    print(f"start: {run}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -987,6 +1053,7 @@ COMMANDS = {
     ("node", None): cmd_node,
     ("run", None): cmd_run,
     ("chaos", None): cmd_chaos,
+    ("deploy", None): cmd_deploy,
     ("status", None): cmd_status,
 }
 

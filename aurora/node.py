@@ -82,6 +82,7 @@ async def run_node(
     insecure: bool = False,
     threads: int | None = None,
     clock: Clock | None = None,
+    bind: str | None = None,
 ) -> None:
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
@@ -131,7 +132,7 @@ async def run_node(
         if spec.role == "rollout" and topo.engine is not None:
             node.engine = await in_thread(make_engine, topo.engine)
     try:
-        zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=spec.listen, keys=keys, clock=clock)
+        zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=bind or spec.listen, keys=keys, clock=clock)
         if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
             node.rtc = _rtc(topo, name, file, clock)
         if observe is not None:

@@ -285,6 +285,7 @@ def test_aurora_chaos_exits_1_with_the_first_violation_and_the_history_around_it
     out = capsys.readouterr().out
     assert "VIOLATION (staleness) on trainer" in out
     shown = around(history, report.violations[0])
-    assert shown and all("  " + line(e) in out.splitlines() for e in shown)
+    assert shown
+    assert all("  " + line(e) in out.splitlines() for e in shown)
     assert "  " + line(dict(lives["trainer"][0][4], node="trainer", life=0)) in out.splitlines()
     assert f"logs: {tmp_path}" in out

@@ -76,6 +76,7 @@ LAYER = {
     "aurora.display": 6,
     "aurora.metrics": 6,
     "aurora.tracking": 6,
+    "aurora.deploy": 6,
     "aurora.actors": 7,
     "aurora.testing": 7,
     "aurora.cli": ANYTHING,

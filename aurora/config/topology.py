@@ -53,6 +53,12 @@ class Region:
     """Bandwidth between two nodes inside the region."""
     rtt_ms: float = 0.5
     """Round trip between two nodes inside the region."""
+    cloud: str | None = None
+    """Where `aurora deploy --to skypilot` launches the region's nodes: a SkyPilot cloud (``aws``, ``gcp``,
+    ``azure``, ``kubernetes``, ...); None: SkyPilot chooses."""
+    cloud_region: str | None = None
+    """The cloud's own name of the region (``us-east-1``): SkyPilot's ``region``, and the Kubernetes node
+    label ``topology.kubernetes.io/region`` the region's pods are scheduled by (default: ``name``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,6 +223,34 @@ class KeysSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RoleCounts:
+    """A count for each role."""
+
+    trainer: int = 0
+    relay: int = 0
+    rollout: int = 0
+
+    def __post_init__(self) -> None:
+        for role in ("trainer", "relay", "rollout"):
+            if getattr(self, role) < 0:
+                raise ConfigError("must be >= 0", path=role)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeploySpec:
+    """How `aurora deploy` runs the nodes on real machines (`aurora.deploy`)."""
+
+    image: str = "aurora:cpu"
+    """The container image of nodes without GPUs (`docker/cpu.Dockerfile`)."""
+    gpu_image: str = "aurora:cuda"
+    """The container image of nodes with GPUs (`docker/cuda.Dockerfile`)."""
+    gpus: RoleCounts = field(default_factory=RoleCounts)
+    """GPUs each node of a role asks for (e.g. ``{trainer: 1, rollout: 1}``); relays need none."""
+    accelerator: str | None = None
+    """The GPU type SkyPilot asks for (``L4``, ``A100``, ``H100``); needed with GPUs for ``--to skypilot``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSpec:
     steps: int = 10
 
@@ -243,6 +277,8 @@ class Topology:
     """The rollout nodes' engine; None: rollout nodes only relay (no worker)."""
     keys: KeysSpec | None = None
     """CurveZMQ and signing keys (see also each node's ``public_key``/``secret_key_file``); None: no keys."""
+    deploy: DeploySpec = field(default_factory=DeploySpec)
+    """Images and GPUs for `aurora deploy`."""
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
