@@ -22,7 +22,8 @@ Above the kernel:
 
 6. ``aurora.transport`` — links between nodes, on the kernel only (not the actors that use them);
    ``aurora.display``, ``aurora.metrics`` and ``aurora.tracking`` — what the composition roots show and
-   write, and where a trainer's figures go (TensorBoard, W&B), kernel only;
+   write, and where a trainer's figures go (TensorBoard, W&B), kernel only; ``aurora.deploy`` — a
+   topology as a container engine's files, kernel only;
 7. ``aurora.actors`` — the drivers: kernel and transports; ``aurora.testing`` — the product fakes:
    kernel and transports (its fakes implement the transport's interfaces), never the actors they
    are there to test.
