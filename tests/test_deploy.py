@@ -27,6 +27,9 @@ from aurora.events import NODE_STARTED, VERSION_COMMITTED, VERSION_PUBLISHED
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 12
+HOST = "aurora-node.invalid"
+"""The listening nodes' host name in the test topology: what their machines would be called (the units
+run here have it mean loopback)."""
 
 
 def _topology(tmp: Path, ports: list[int] | None = None, extra: str = "") -> Path:
@@ -39,8 +42,8 @@ regions:
   - {{name: eu, cloud: gcp, cloud_region: europe-west4}}
 wan: [{{regions: [us, eu], bandwidth_mbit: 100, rtt_ms: 50}}]
 nodes:
-  - {{name: trainer, role: trainer, region: us, listen: "tcp://localhost:{p[0]}"}}
-  - {{name: relay_eu, role: relay, region: eu, listen: "tcp://localhost:{p[1]}", parent: trainer}}
+  - {{name: trainer, role: trainer, region: us, listen: "tcp://{HOST}:{p[0]}"}}
+  - {{name: relay_eu, role: relay, region: eu, listen: "tcp://{HOST}:{p[1]}", parent: trainer}}
   - {{name: rollout-1, role: rollout, region: eu, parent: relay_eu}}
   - {{name: rollout-2, role: rollout, region: us, parent: trainer}}
 heartbeat: {{interval_s: 0.2, suspect_after_s: 0.6, lost_after_s: 1.2}}
@@ -98,9 +101,8 @@ def test_the_compose_file_is_valid_by_the_compose_specification(outputs: dict[st
 
 def test_the_kubernetes_manifests_are_valid_by_the_kubernetes_schemas(outputs: dict[str, Path]) -> None:
     kv = pytest.importorskip("kubernetes_validate")
-    docs = [
-        d for f in sorted((outputs["kubernetes"] / "kubernetes").iterdir()) for d in yaml.safe_load_all(f.read_text())
-    ]
+    files = sorted((outputs["kubernetes"] / "kubernetes").rglob("*.yaml"))
+    docs = [d for f in files for d in yaml.safe_load_all(f.read_text())]
     for d in docs:
         kv.validate(d, kv.latest_version(), strict=True)
     kinds = [d["kind"] for d in docs]
@@ -108,7 +110,8 @@ def test_the_kubernetes_manifests_are_valid_by_the_kubernetes_schemas(outputs: d
     assert kinds.count("Secret") == 4
     assert kinds.count("ConfigMap") == 1
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-    assert set(services) == {"trainer", "relay-eu"}  # the listening nodes: their children dial tcp://NAME:PORT
+    # the listening nodes: their children dial tcp://SERVICE:PORT
+    assert set(services) == {"aurora-deploy-test-trainer", "aurora-deploy-test-relay-eu"}
     deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     pod = deps["aurora-deploy-test-relay-eu"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"topology.kubernetes.io/region": "europe-west4"}
@@ -117,7 +120,12 @@ def test_the_kubernetes_manifests_are_valid_by_the_kubernetes_schemas(outputs: d
     assert trainer["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
     assert any("persistentVolumeClaim" in v for v in trainer["volumes"])  # a rescheduled trainer resumes
     topo = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["topology.yaml"])
-    assert topo["nodes"][1]["listen"] == "tcp://relay-eu:47001"
+    assert topo["nodes"][1]["listen"] == "tcp://aurora-deploy-test-relay-eu:47001"
+    # the Secrets are files of their own, 0600, in a 0700 directory (the rest is 0644)
+    secret_files = {f for f in files if any(d["kind"] == "Secret" for d in yaml.safe_load_all(f.read_text()))}
+    assert {f.parent.name for f in secret_files} == {"secrets"}
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in secret_files)
+    assert stat.S_IMODE(outputs["kubernetes"].stat().st_mode) == 0o700
 
 
 def test_the_skypilot_tasks_load_with_skypilots_own_loader(outputs: dict[str, Path]) -> None:
@@ -131,6 +139,7 @@ def test_the_skypilot_tasks_load_with_skypilots_own_loader(outputs: dict[str, Pa
     assert "accelerators" not in relay
     assert tasks["rollout-1"]["resources"]["accelerators"] == "L4:1"
     assert tasks["trainer"]["file_mounts"][SECRET] == "./secrets/trainer"
+    assert tasks["trainer"]["run"].startswith(f"chmod -R go-rwx {SECRET} && exec python3 -m aurora")
     assert "--bind tcp://0.0.0.0:47000" in tasks["trainer"]["run"]
 
 
@@ -150,6 +159,8 @@ def test_no_node_is_given_another_nodes_secret(outputs: dict[str, Path], tmp_pat
         secrets = _secrets(out.parent / "keys")
         bundle = b"".join(_every_file(out / "bundle").values())
         assert not any(s in bundle for s in secrets.values()), f"{target}: a secret in the bundle"
+        configmaps = b"".join(f.read_bytes() for f in out.rglob("bundle.yaml"))
+        assert not any(base64.b64encode(s) in configmaps or s in configmaps for s in secrets.values())
         for node_dir in (out / "secrets").iterdir():
             files = _every_file(node_dir)
             own = {f"{node_dir.name}.key_secret"} | ({"trainer.sign"} if node_dir.name == "trainer" else set())
@@ -158,7 +169,7 @@ def test_no_node_is_given_another_nodes_secret(outputs: dict[str, Path], tmp_pat
             assert stat.S_IMODE(node_dir.stat().st_mode) == 0o700
             assert all(stat.S_IMODE((node_dir / k).stat().st_mode) == 0o600 for k in files)
     # Kubernetes: each node's Secret holds its own keys, and its pod mounts that Secret only
-    for f in (outputs["kubernetes"] / "kubernetes").iterdir():
+    for f in (outputs["kubernetes"] / "kubernetes").rglob("*.yaml"):
         docs = list(yaml.safe_load_all(f.read_text()))
         for d in docs:
             if d["kind"] == "Secret":
@@ -209,6 +220,21 @@ def test_deploy_refuses_what_it_cannot_ship(tmp_path: Path, capsys: pytest.Captu
     with pytest.raises(ConfigError, match=r"deploy\.accelerator"):
         deploy(gpu, "skypilot", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(topo.read_text().replace(HOST, "127.0.0.1"))
+    with pytest.raises(ConfigError, match=r"nodes\[0\]\.listen: tcp://127\.0\.0\.1:47000 is loopback"):
+        deploy(loop, "skypilot", tmp_path / "out")
+    deploy(loop, "compose", tmp_path / "out")  # Compose and Kubernetes give every node a name of its own
+    shutil.rmtree(tmp_path / "out")
+    model = tmp_path / "model.yaml"  # a model no pod can get: never a random one in its place
+    model.write_text(topo.read_text() + "model: {path: m}\n")
+    with pytest.raises(ConfigError, match=r"model\.fetch: the nodes need the model and .*m is missing here"):
+        deploy(model, "compose", tmp_path / "out")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    deploy(model, "compose", tmp_path / "out")  # mounted from this machine
+    with pytest.raises(ConfigError, match="a pod can only fetch it"):
+        deploy(model, "kubernetes", tmp_path / "k8s")
 
 
 def _as_container(out: Path, node: str, argv: list[str], root: Path) -> list[str]:
@@ -217,7 +243,7 @@ def _as_container(out: Path, node: str, argv: list[str], root: Path) -> list[str
     conf = root / node / "conf"
     shutil.copytree(out / "bundle", conf)
     topo = conf / "topology.yaml"
-    topo.write_text(topo.read_text().replace(SECRET, str(out / "secrets" / node)))
+    topo.write_text(topo.read_text().replace(SECRET, str(out / "secrets" / node)).replace(HOST, "localhost"))
     subst = {CONF: str(conf), STORE: str(root / node / "store")}
     args = []
     for a in argv:
@@ -228,8 +254,8 @@ def _as_container(out: Path, node: str, argv: list[str], root: Path) -> list[str
 
 
 def test_the_deployed_units_run_as_their_containers_would_and_converge(tmp_path: Path) -> None:
-    """SkyPilot's units keep the topology's listen addresses (here ``tcp://localhost:P``: children dial
-    a name) while each node binds ``--bind`` (here 127.0.0.1): every node ends on the trainer's last
+    """SkyPilot's units keep the topology's listen addresses (a name, here meaning ``localhost``: children
+    dial a name) while each node binds ``--bind`` (here 127.0.0.1): every node ends on the trainer's last
     version, each with only its own secret."""
     ports = free_ports(2)
     topo = _topology(tmp_path, ports)

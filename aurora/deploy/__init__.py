@@ -4,8 +4,9 @@ SkyPilot — one service, pod or task per node, each with its own secret keys on
 `build` plans the `Deployment` (`aurora.deploy.plan`), `aurora.deploy.engines` renders it, and
 `write` puts it in a new directory: the engine's files, ``bundle/`` (what every node mounts at
 ``/etc/aurora``: the rewritten topology, the public keys, the task's files) and ``secrets/NODE/``
-(what node NODE alone mounts at ``/run/aurora/secret``; mode 0700, its files 0600). The directory is
-written beside its place and renamed into it, so a failed deploy leaves none.
+(what node NODE alone mounts at ``/run/aurora/secret``; mode 0700, its files 0600). An engine file
+that holds a secret (a Kubernetes Secret: ``kubernetes/secrets/``) is 0600 too, and the directory
+0700. It is written beside its place and renamed into it, so a failed deploy leaves none.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from aurora.config.topology import load_topology
-from aurora.deploy.engines import RENDER
+from aurora.deploy.engines import RENDER, SECRET_FILES
 from aurora.deploy.plan import TARGETS, Deployment, Target, build
 from aurora.errors import ConfigError
 
@@ -42,8 +43,8 @@ def deploy(topology: Path, target: Target, out: Path) -> tuple[Deployment, list[
                 _put(tmp / "secrets" / u.name / name, src.read_bytes(), 0o600)
         os.chmod(tmp / "secrets", 0o700)
         for rel, text in files.items():
-            _put(tmp / rel, text.encode(), 0o644)
-        tmp.chmod(0o755)
+            _put(tmp / rel, text.encode(), 0o600 if SECRET_FILES in rel else 0o644)
+        tmp.chmod(0o700)  # it holds every node's secrets
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -54,7 +55,7 @@ def deploy(topology: Path, target: Target, out: Path) -> tuple[Deployment, list[
 
 
 def _put(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700 if mode == 0o600 else 0o755, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)

@@ -9,18 +9,24 @@ it its own secrets only, and the public bundle to all.
 from __future__ import annotations
 
 import base64
+import re
 import shlex
 from typing import Any
 
 import yaml
 
-from aurora.deploy.plan import CONF, MODEL, SECRET, STORE, Deployment, Unit
+from aurora.deploy.plan import CONF, MODEL, SECRET, STORE, Deployment, Unit, service
 from aurora.errors import ConfigError
 
 LABEL = "aurora.dev/node"
 REGION_LABEL = "topology.kubernetes.io/region"
-RESTARTS = 100
+RESTARTS = 10
 """SkyPilot: restarts of a managed job after its process failed (a preemption is recovered anyway)."""
+CONFIGMAP_MAX = 200 * 1024
+"""The bundle's encoded bytes a ConfigMap may take: `kubectl apply` keeps a copy of the object in an
+annotation of at most 256 KiB."""
+SECRET_FILES = "secrets/"
+"""Files of the engine's whose path holds this hold secrets: `aurora.deploy.write` makes them 0600."""
 
 
 def _dump(docs: list[dict[str, Any]]) -> str:
@@ -64,6 +70,9 @@ def _meta(d: Deployment, name: str, u: Unit | None = None) -> dict[str, Any]:
     return {"name": name, "labels": labels}
 
 
+_CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
 def _bundle_key(path: str) -> str:
     """A bundle path as a ConfigMap key (keys may not hold '/')."""
     return path.replace("/", "__")
@@ -74,15 +83,18 @@ def kubernetes(d: Deployment) -> dict[str, str]:
     text: dict[str, str] = {}
     binary: dict[str, str] = {}
     for path, data in d.bundle.items():
+        key = _bundle_key(path)
+        if not _CONFIGMAP_KEY.fullmatch(key):
+            raise ConfigError(f"{path}: a ConfigMap key holds letters, digits, '-', '_' and '.' only: rename it")
         try:
-            text[_bundle_key(path)] = data.decode()
+            text[key] = data.decode()
         except UnicodeDecodeError:
-            binary[_bundle_key(path)] = base64.b64encode(data).decode()
-    size = sum(len(v) for v in d.bundle.values())
-    if size > 900 * 1024:
+            binary[key] = base64.b64encode(data).decode()
+    size = sum(map(len, text.values())) + sum(map(len, binary.values()))
+    if size > CONFIGMAP_MAX:
         raise ConfigError(
-            f"the bundle (topology, public keys, task files) is {size} bytes; a ConfigMap holds at most 1 MiB: "
-            "build the task's data into the image instead",
+            f"the bundle (topology, public keys, task files) takes {size} bytes in a ConfigMap; kubectl apply "
+            f"takes at most {CONFIGMAP_MAX}: build the task's data into the image instead",
             path="task.path",
         )
     cm: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(d, bundle), "data": text}
@@ -92,15 +104,18 @@ def kubernetes(d: Deployment) -> dict[str, str]:
     items = [{"key": _bundle_key(p), "path": p} for p in d.bundle]
     for u in d.units:
         secret = f"aurora-{d.name}-{u.dns}-keys"
-        docs: list[dict[str, Any]] = [
-            {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": _meta(d, secret, u),
-                "type": "Opaque",
-                "data": {k: base64.b64encode(p.read_bytes()).decode() for k, p in u.secrets.items()},
-            }
-        ]
+        out[f"kubernetes/{SECRET_FILES}{u.dns}.yaml"] = _dump(
+            [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": _meta(d, secret, u),
+                    "type": "Opaque",
+                    "data": {k: base64.b64encode(p.read_bytes()).decode() for k, p in u.secrets.items()},
+                }
+            ]
+        )
+        docs: list[dict[str, Any]] = []
         volumes: list[dict[str, Any]] = [
             {"name": "bundle", "configMap": {"name": bundle, "items": items}},
             {"name": "secret", "secret": {"secretName": secret, "defaultMode": 0o400}},
@@ -149,7 +164,7 @@ def kubernetes(d: Deployment) -> dict[str, str]:
                         "metadata": {"labels": _meta(d, "", u)["labels"]},
                         "spec": {
                             "restartPolicy": "Always",
-                            "nodeSelector": {REGION_LABEL: u.cloud_region or u.region},
+                            **({"nodeSelector": {REGION_LABEL: u.cloud_region}} if u.cloud_region else {}),
                             "containers": [container],
                             "volumes": volumes,
                         },
@@ -162,7 +177,7 @@ def kubernetes(d: Deployment) -> dict[str, str]:
                 {
                     "apiVersion": "v1",
                     "kind": "Service",
-                    "metadata": _meta(d, u.dns, u),
+                    "metadata": _meta(d, service(d.name, u.dns, "kubernetes"), u),
                     "spec": {"selector": selector, "ports": [{"name": "aurora", "port": u.port, "targetPort": u.port}]},
                 }
             )
@@ -195,7 +210,9 @@ def skypilot(d: Deployment) -> dict[str, str]:
             "name": f"aurora-{d.name}-{u.dns}",
             "resources": res,
             "file_mounts": mounts,
-            "run": shlex.join(u.argv),
+            # the bucket SkyPilot carries file mounts through leaves files others may read: Aurora refuses
+            # such a secret key file
+            "run": f"chmod -R go-rwx {SECRET} && exec {shlex.join(u.argv)}",
         }
         out[f"skypilot/{u.dns}.yaml"] = yaml.safe_dump(task, sort_keys=False)
     return out

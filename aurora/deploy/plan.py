@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import yaml
 import zmq.auth
 
-from aurora.auth.keys import OPERATOR, key_dir
+from aurora.auth.keys import LOOPBACK_HOSTS, OPERATOR, key_dir
 from aurora.config.plan import plan
 from aurora.config.rl import REWARDS, DatasetSpec, JsonlSpec
 from aurora.config.strict import convert
@@ -96,6 +96,12 @@ def dns_label(name: str, what: str, file: str) -> str:
     return label
 
 
+def service(deployment: str, node: str, target: Target) -> str:
+    """The name a node's children dial: its Compose service (a project has a network of its own), or its
+    Kubernetes Service (named for the deployment too: several may share a namespace)."""
+    return f"aurora-{deployment}-{node}" if target == "kubernetes" else node
+
+
 def _listen_port(listen: str, file: str, i: int) -> int:
     u = urlsplit(listen)
     if u.scheme != "tcp" or u.port is None:
@@ -120,11 +126,17 @@ def _task_files(topo: Topology, raw: dict[str, Any], file: str) -> dict[str, byt
         out[f"task/{src.name}"] = _read(src, file, "the task's data file")
         raw["task"]["path"] = f"task/{src.name}"
     if isinstance(task, DatasetSpec) and task.reward not in REWARDS:
-        module = task.reward.partition(":")[0]
-        src = Path(task.reward_dir or ".") / f"{module.replace('.', '/')}.py"
-        if "." not in module and src.is_file():
-            out[f"task/reward/{module}.py"] = _read(src, file, "the reward's module")
-            raw["task"]["reward_dir"] = "task/reward"
+        # the module and what it may import from beside it: reward_dir's *.py, and a dotted module's package
+        where = Path(task.reward_dir or ".")
+        package = where / task.reward.partition(":")[0].split(".")[0]
+        files = sorted(where.glob("*.py")) + (sorted(package.rglob("*.py")) if package.is_dir() else [])
+        if not files:
+            raise ConfigError(
+                f"no Python file in {where} for the reward {task.reward!r}", file=file, path="task.reward"
+            )
+        for src in files:
+            out[f"task/reward/{src.relative_to(where)}"] = _read(src, file, "the reward's code")
+        raw["task"]["reward_dir"] = "task/reward"
     return out
 
 
@@ -165,6 +177,12 @@ def build(topo: Topology, file: str, target: Target) -> Deployment:
         label = dns_label(n.name, "node", file)
         if label in dns.values():
             raise ConfigError(f"nodes {n.name!r} and another both make the DNS name {label!r}", file=file)
+        if len(service(name, label, target)) > 63:
+            raise ConfigError(
+                f"{service(name, label, target)!r} (the topology's and node {n.name!r}'s names) is longer than "
+                "a DNS label's 63 characters: shorten them",
+                file=file,
+            )
         dns[n.name] = label
 
     trainer = topo.trainer.name
@@ -180,13 +198,28 @@ def build(topo: Topology, file: str, target: Target) -> Deployment:
     model_dir = None
     if topo.model is not None and topo.model.path is not None:
         model_dir = Path(topo.model.path) if (Path(topo.model.path) / "config.json").is_file() else None
+        if topo.model.fetch is None and (model_dir is None or target == "kubernetes"):
+            where = "a pod can only fetch it" if model_dir is not None else f"{topo.model.path} is missing here"
+            raise ConfigError(
+                f"the nodes need the model and {where}: name a known model in model.fetch "
+                "(aurora model fetch --list), or build the model into the image",
+                file=file,
+                path="model.fetch",
+            )
         raw["model"]["path"] = MODEL
     for i, n in enumerate(topo.nodes):
+        if target == "skypilot" and n.listen is not None and (urlsplit(n.listen).hostname or "") in LOOPBACK_HOSTS:
+            raise ConfigError(
+                f"{n.listen} is loopback: on SkyPilot each node has a machine of its own; give {n.name} "
+                "the DNS name or address its machine will have",
+                file=file,
+                path=f"nodes[{i}].listen",
+            )
         spec = raw["nodes"][i]
         spec["public_key"] = zmq.auth.load_certificate(d / f"{n.name}.key")[0].decode()
         spec["secret_key_file"] = f"{SECRET}/{n.name}.key_secret"
         if n.listen is not None and target != "skypilot":
-            spec["listen"] = f"tcp://{dns[n.name]}:{_listen_port(n.listen, file, i)}"
+            spec["listen"] = f"tcp://{service(name, dns[n.name], target)}:{_listen_port(n.listen, file, i)}"
     text = yaml.safe_dump(raw, sort_keys=False)
     rewritten = convert(Topology, yaml.safe_load(text), file="topology.yaml")
     check(rewritten, "topology.yaml")
@@ -229,16 +262,7 @@ def build(topo: Topology, file: str, target: Target) -> Deployment:
             )
         )
     notes = []
-    if topo.model is not None and topo.model.path is not None and model_dir is None:
-        how = (
-            f"fetches {topo.model.fetch}"
-            if topo.model.fetch
-            else (f"builds preset {topo.model.preset}" if topo.model.preset else None)
-        )
-        notes.append(
-            f"model: each node {how} into {MODEL} at its first start"
-            if how
-            else f"model: {topo.model.path} is missing here; put the model directory in each node's {MODEL}"
-        )
+    if topo.model is not None and topo.model.fetch is not None and model_dir is None:
+        notes.append(f"model: each node fetches {topo.model.fetch} into {MODEL} at its first start")
     has_model = topo.model is not None and topo.model.path is not None
     return Deployment(name, target, tuple(units), bundle, has_model, model_dir, topo.deploy.accelerator, notes)
