@@ -42,7 +42,7 @@ import yaml
 from aurora.config.rl import ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError
-from aurora.events import ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.events import ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED, WORK_STARTED
 from aurora.logs import event_time, read_events
 from aurora.metrics import collect
 from aurora.run import run
@@ -95,13 +95,16 @@ def measure(
     t0, t1 = event_time(steps[warmup]), event_time(steps[-1])
     tokens = sum(int(e["tokens"]) for e in steps[warmup + 1 :])
     paused = []
+    leased = {}
     for r in rollouts:
+        log = read_events(state / f"{r}.log")
         sw = [
             e
-            for e in read_events(state / f"{r}.log")
+            for e in log
             if e.get("event") == ENGINE_SWITCHED and e.get("from_version") is not None and t0 <= event_time(e) <= t1
         ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
+        leased[r] = sum(int(e["leases"]) for e in log if e.get("event") == WORK_STARTED and t0 <= event_time(e) <= t1)
     rows = [r for r in collect(events) if r["version"] > warmup]
     cpu = cpu_per_step(state / "cpu.jsonl", int(steps[warmup]["version"]), int(steps[-1]["version"]), roles or {})
 
@@ -121,6 +124,8 @@ def measure(
         "density": mean("density"),
         "reward": mean("reward"),
         "cpu_ms_per_step": cpu,
+        # each rollout's part of the prompts leased in the window (its `work_started` events)
+        "shares": {r: n / sum(leased.values()) for r, n in leased.items()} if sum(leased.values()) else {},
     }
 
 
@@ -200,6 +205,10 @@ def render(r: dict[str, Any]) -> str:
         f"sync / ideal tokens/s: {r['ratio']:.3f} (target >= 0.95); generation paused for switches: "
         f"{100 * r['sync']['paused']:.2f} % of wall time (target <= 2 %)"
     )
+    for mode in ("sync", "ideal"):
+        if r[mode].get("shares"):
+            parts = ", ".join(f"{w} {v:.2f}" for w, v in r[mode]["shares"].items())
+            lines.append(f"work shares ({mode}, prompts leased in the window): {parts}")
     s = r["sync"]
     if s.get("seal_ms") is not None and s.get("publish_ms"):
         lines.append(
