@@ -300,6 +300,11 @@ class LeaseTable:
         an item done, is stated over these (the property tests read it; the drivers need only events)."""
         return [lease for lease in self._current.values() if now < lease.expires_at]
 
+    def holds(self, worker: str) -> int:
+        """How many leases ``worker`` holds now."""
+        w = self._workers.get(worker)
+        return 0 if w is None else len(w.held)
+
     def rate(self, worker: str) -> float | None:
         w = self._workers.get(worker)
         return None if w is None else w.rate

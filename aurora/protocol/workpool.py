@@ -34,6 +34,11 @@ Rules and invariants (tests/test_workpool.py holds it to them):
   either reason is parked and answered by `unpark` when room opens; a parked want older
   than half a lease TTL (at least 2 s) is from a worker that stopped asking, and lapses
   (its age counts from when the worker asked, however often `unpark` retried it);
+* work is divided, not raced for: a grant is at most an equal part of the prompts that may be
+  leased now (the room and the version's takes, above) among the workers waiting for work — this
+  one, those parked, and those that asked within the lapse time and hold nothing — the remainder
+  to the least served. So equal workers get equal work, and one that finishes sooner asks again
+  sooner and gets more, work following speed where generation is the bottleneck;
 * `next_deadline()` is when `expire` or `unpark` next changes something by itself (a lease
   expires, a parked want lapses): a driver that sleeps until then never spins;
 * prompts' answers stay in the pool (rewards are the trainer's to compute).
@@ -167,6 +172,10 @@ class WorkPool:
     before the first take of this coordinator."""
     parked: dict[str, tuple[int, int | None, float]] = field(default_factory=dict)
     """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version, when)."""
+    asked: dict[str, float] = field(default_factory=dict)
+    """When each worker last asked for work (`_split`: who is waiting for some)."""
+    served: Counter[str] = field(default_factory=Counter)
+    """Prompts granted to each worker (`_split` gives a remainder to the least served)."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -186,17 +195,22 @@ class WorkPool:
 
     def _useful(self, version: int | None, current: int) -> bool:
         """Would results of ``version`` be trained on? (The leasing rule of the module docstring.)"""
+        more = self._wanted(version, current)
+        return more is None or more > 0
+
+    def _wanted(self, version: int | None, current: int) -> int | None:
+        """How many more prompts of ``version`` the learner's takes would use (None: no bound)."""
         if not self.batch or version is None:
-            return True
+            return None
         # the learner takes once per version: next at the version after its last take (it may
         # already be training on that take while the version before is still being published)
         first = current if self.taken_at is None else max(current, self.taken_at + 1)
         last = version + self.max_stale if self.steps is None else min(version + self.max_stale, self.steps - 1)
         takes = last - first + 1
         if takes <= 0:
-            return False
+            return 0
         supply = sum(1 for v in self._supply(current) if first - self.max_stale <= v <= version)
-        return supply < takes * self.batch
+        return max(0, takes * self.batch - supply)
 
     def _supply(self, current: int) -> Iterator[int]:
         """The versions of the results the learner will be offered: accepted ones, then those in
@@ -221,9 +235,10 @@ class WorkPool:
     ) -> list[tuple[Lease, Prompt]]:
         asked = max(0, min(n, self.settings.prompts_per_lease))
         room = self.room()
-        n = asked if room is None else min(asked, room)
-        if not self._useful(version, current):
-            n = 0
+        wanted = self._wanted(version, current)
+        free = room if wanted is None else (wanted if room is None else min(room, wanted))
+        n = asked if free is None else min(asked, self._split(worker, free, asked_at))
+        self.asked[worker] = max(asked_at, self.asked.get(worker, asked_at))
         self.parked.pop(worker, None)
         if n == 0:
             if asked:
@@ -234,6 +249,7 @@ class WorkPool:
             self.open[p.id] = p
             self.table.add_items([p.id])
         granted = self.table.grant(worker, now, n)
+        self.served[worker] += len(granted)
         if self.batch:  # only `_useful` reads it (and prunes it as it does)
             for lease in granted:
                 self.made_with[cast(int, lease.item)] = version
@@ -280,6 +296,21 @@ class WorkPool:
             if granted:
                 out[worker] = granted
         return out
+
+    def _split(self, worker: str, free: int, now: float) -> int:
+        """``worker``'s part of ``free`` useful prompts: an equal part among it and the other workers
+        waiting for work (parked, or asked within `_lapse_s` and holding none), so that the first to
+        ask does not take what the others wait for; a worker that finishes sooner asks again sooner
+        and so gets more (work follows speed where generation is the bottleneck)."""
+        waiting = [
+            w
+            for w, t in self.asked.items()
+            if w != worker and (w in self.parked or (now - t < self._lapse_s() and not self.table.holds(w)))
+        ]
+        base, extra = divmod(free, 1 + len(waiting))
+        # the remainder to those granted least so far (this worker first among equals)
+        first = sorted([worker, *waiting], key=lambda w: (self.served[w], w != worker))[:extra]
+        return base + (worker in first)
 
     def _lapse_s(self) -> float:
         """How long a parked want lasts: half a lease TTL, at least 2 s (a worker asks again sooner)."""

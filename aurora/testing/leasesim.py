@@ -6,8 +6,9 @@ answering parked wants (`expire`, `unpark`), plus a learner that takes a batch a
 version (`take`), trains for ``train_s`` and publishes the next one. `SimWorker` is a
 rollout worker as `aurora.actors.work.Worker` behaves: it asks for prompts with the
 version it generates with, renews its leases by its own clock (`LeaseHolder`), takes
-``work_s`` a prompt, sends each result under its lease, and moves to the newest
-version it has only between batches. Both are `SimNode`s for `SimNetwork`, and every
+``work_s`` a prompt (or ``work_s`` a batch whatever its size: ``batched``), sends each result
+under its lease, and moves to the newest version it has only between batches. Both are
+`SimNode`s for `SimNetwork`, and every
 message they send is a real one (`aurora.protocol.messages`), encoded and decoded on
 the way as a link would.
 
@@ -200,9 +201,13 @@ class SimWorker:
         prompts_per_lease: int = 2,
         want_every_s: float = 1.0,
         renew_fraction: float = 0.5,
+        batched: bool = False,
     ) -> None:
         self.name = name
         self.work_s = work_s
+        self.batched = batched
+        """A batch takes ``work_s`` whatever its size (an engine that generates a batch at once, as vLLM
+        and the synthetic engine do); False: ``work_s`` a prompt."""
         self.prompts_per_lease = prompts_per_lease
         self.want_every_s = want_every_s
         """How long a want waits for a grant or a new version before it is sent again."""
@@ -251,7 +256,7 @@ class SimWorker:
         self.version = self.node_version  # between batches: the newest version the node holds
         held = [i for i in self.prompts if self.holder.lease(i) is not None]
         if held:
-            self.batch = (now + self.work_s * len(held), held, self.version)
+            self.batch = (now + self.work_s * (1 if self.batched else len(held)), held, self.version)
         elif now >= self.next_want:
             self._out.append((TRAINER, Want(w=self.name, n=self.prompts_per_lease, v=self.version)))
             self.next_want = now + self.want_every_s
