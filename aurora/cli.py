@@ -60,7 +60,7 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl}")
+    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl,leases}")
     c = bs.add_parser(
         "codec",
         help="delta sizes vs published designs, and codec throughput",
@@ -95,6 +95,17 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N",
         help="with --device: host threads for the range coder (default 1)",
     )
+    le = bs.add_parser(
+        "leases",
+        help="how the work pool divides work among rollouts (lease simulation)",
+        description="Run the shipped work pool in the lease simulation with the main job's leasing, for "
+        "2 equal workers, a worker twice as fast as another, and 3 equal workers; learner steps of "
+        "0.2 s, 2 s and 7 s; engines whose batch takes the same time whatever its size (vLLM, the "
+        "synthetic engine) or a time per prompt. Prints each worker's share of the accepted results "
+        "next to its share of the generation speed, the learner's steps, and the largest gap. "
+        "Deterministic (seeded); seconds.",
+    )
+    le.add_argument("--seconds", type=float, default=600.0, help="simulated seconds per case (default 600)")
     a = bs.add_parser(
         "actors",
         help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
@@ -950,6 +961,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_bench_leases(args: argparse.Namespace) -> int:
+    from aurora.bench.leases import bench, render
+
+    if not args.seconds > 0:
+        raise AuroraError(f"--seconds must be > 0, not {args.seconds}")
+    print(render(bench(args.seconds), args.seconds))
+    return 0
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from aurora.deploy import deploy
 
@@ -1050,6 +1070,7 @@ COMMANDS = {
     ("bench", "transport"): cmd_bench_transport,
     ("bench", "sync"): cmd_bench_sync,
     ("bench", "rl"): cmd_bench_rl,
+    ("bench", "leases"): cmd_bench_leases,
     ("model", "init"): cmd_model_init,
     ("model", "fetch"): cmd_model_fetch,
     ("keys", "generate"): cmd_keys_generate,
