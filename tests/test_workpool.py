@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from aurora.protocol.messages import Grant, Renew, Renewed, Result, SampleWire, Verdict, Want
-from aurora.protocol.workpool import Accepted, PoolSettings, Rejected, ResultRules, SampleIn, WorkPool
+from aurora.protocol.workpool import (
+    ABOUT_TO_ASK_S,
+    Accepted,
+    PoolSettings,
+    Rejected,
+    ResultRules,
+    SampleIn,
+    WorkPool,
+)
 from aurora.rl.types import Prompt
 
 RULES = ResultRules(vocab_size=128, max_new_tokens=8)
@@ -371,3 +380,52 @@ class Pool(RuleBasedStateMachine):
 
 TestPool = Pool.TestCase
 TestPool.settings = settings(stateful_step_count=60)
+
+
+def test_work_is_divided_among_the_workers_waiting_for_it_not_raced_for() -> None:
+    """Two workers between batches (each has just returned a result): the first to ask gets half of
+    what may be leased, and the other the rest, instead of the first taking it all."""
+    pool = _pool(prompts_per_lease=4, ahead_steps=1, batch=4, group_size=1)
+    for w in ("a", "b"):  # measured, so that quota does not cap the grants (an unmeasured worker gets 1)
+        for t in (0.0, 0.5):
+            ((lease, p),) = pool.want(w, 1, t, version=0, current=0)
+            assert isinstance(pool.result(w, p.id, lease.token, 0, 0, _ok(1), t + 0.25), Accepted)
+    assert pool.take(4, 0) is not None
+    first = pool.want("a", 4, 1.0, version=1, current=1)
+    second = pool.want("b", 4, 1.01, version=1, current=1)
+    assert (len(first), len(second)) == (2, 2)
+
+
+def test_a_worker_stuck_on_an_old_version_holds_back_work_only_while_a_switch_could_take() -> None:
+    """A worker that keeps asking with a version whose results nobody would use (its node never got
+    the new one) is not waited for past `ABOUT_TO_ASK_S` after the version came: the other worker's
+    parked want is answered then, at the pool's next deadline."""
+    pool = _pool(prompts_per_lease=2, ahead_steps=1, batch=1, max_stale=0, ttl_s=30.0, group_size=1)
+    ((lease, p),) = pool.want("a", 2, 0.0, version=5, current=5)
+    assert isinstance(pool.result("a", p.id, lease.token, 5, 5, _ok(1), 1.0), Accepted)
+    assert pool.take(1, 5) is not None
+    assert pool.want("b", 2, 2.0, version=5, current=6) == []  # useless: 5 serves no take any more
+    assert pool.want("a", 2, 2.5, version=6, current=6) == []  # held back: b may be switching to 6
+    deadline = pool.next_deadline()
+    assert deadline is not None
+    assert deadline <= 2.0 + ABOUT_TO_ASK_S
+    assert pool.want("b", 2, deadline - 0.5, version=5, current=6) == []  # still on 5
+    assert [len(g) for g in pool.unpark(deadline, current=6).values()] == [1]
+
+
+def test_a_worker_gone_quiet_holds_back_work_only_until_it_leaves_the_waiting_window() -> None:
+    pool = _pool(prompts_per_lease=2, ahead_steps=1, batch=2, max_stale=1, ttl_s=30.0, group_size=1)
+    for t in (0.0, 1.0):
+        ((lease, p),) = pool.want("a", 2, t, version=0, current=0)
+        pool.result("a", p.id, lease.token, 0, 0, _ok(1), t + 0.5)
+    assert pool.take(2, 0) is not None
+    ((lease, p),) = pool.want("b", 2, 10.0, version=1, current=1)
+    pool.result("b", p.id, lease.token, 1, 1, _ok(1), 11.0)  # and then b is heard from no more
+    assert pool.want("a", 1, 12.0, version=1, current=1) == []  # b is between batches: about to ask
+    granted: dict[str, list[Any]] = {}
+    while not granted:  # the coordinator sleeps until the next deadline, then unparks
+        deadline = pool.next_deadline()
+        assert deadline is not None
+        assert deadline <= 11.0 + ABOUT_TO_ASK_S
+        granted = pool.unpark(deadline, current=1)
+    assert [len(g) for g in granted.values()] == [1]

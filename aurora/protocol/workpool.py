@@ -36,11 +36,14 @@ Rules and invariants (tests/test_workpool.py holds it to them):
   (its age counts from when the worker asked, however often `unpark` retried it);
 * work is divided, not raced for: a grant is at most an equal part of the prompts that may be
   leased now (the room and the version's takes, above) among the workers waiting for work — this
-  one, those parked, and those that asked within the lapse time and hold nothing — the remainder
-  to the least served. So equal workers get equal work, and one that finishes sooner asks again
-  sooner and gets more, work following speed where generation is the bottleneck;
+  one, those parked with a version whose results would be used, and those not parked that hold
+  nothing and asked or answered within `ABOUT_TO_ASK_S` (between batches, or switching versions) — the
+  remainder to the least served. Equal workers that ask together get equal parts, and one that
+  finishes sooner asks again sooner and gets more (`aurora bench leases` measures how far the
+  shares follow speed; not everywhere within 10 %);
 * `next_deadline()` is when `expire` or `unpark` next changes something by itself (a lease
-  expires, a parked want lapses): a driver that sleeps until then never spins;
+  expires, a parked want lapses, a worker leaves the waiting window while a want is parked): a
+  driver that sleeps until then never spins;
 * prompts' answers stay in the pool (rewards are the trainer's to compute).
 """
 
@@ -66,6 +69,11 @@ from aurora.protocol.messages import (
     Want,
 )
 from aurora.rl.types import Completion, Prompt, Sample
+
+ABOUT_TO_ASK_S = 5.0
+"""A worker that holds no lease counts as about to ask for work this long after it last asked or
+returned a result (between batches, or switching to a new version: about 2 s on the development
+machine's CPU). Capped at the lapse time of a parked want."""
 
 MIN_BEHAVIOUR_LOGPROB = -50.0
 """A sampled token had at least this log-probability under the weights that sampled it (e^-50 ≈ 2e-22:
@@ -173,7 +181,12 @@ class WorkPool:
     parked: dict[str, tuple[int, int | None, float]] = field(default_factory=dict)
     """Workers whose ``want`` got nothing: worker -> (prompts asked for, their version, when)."""
     asked: dict[str, float] = field(default_factory=dict)
-    """When each worker last asked for work (`_split`: who is waiting for some)."""
+    """When each worker last asked for work or returned a result (`_split`: who is waiting for some)."""
+    version_seen: int | None = None
+    """The trainer's version as the pool was last told it."""
+    switching_until: float | None = None
+    """Until when, after that version came, a worker parked with an older one counts as switching to
+    it (`_waiting`); None once over."""
     served: Counter[str] = field(default_factory=Counter)
     """Prompts granted to each worker (`_split` gives a remainder to the least served)."""
 
@@ -237,7 +250,7 @@ class WorkPool:
         room = self.room()
         wanted = self._wanted(version, current)
         free = room if wanted is None else (wanted if room is None else min(room, wanted))
-        n = asked if free is None else min(asked, self._split(worker, free, asked_at))
+        n = asked if free is None else min(asked, self._split(worker, free, now, current))
         self.asked[worker] = max(asked_at, self.asked.get(worker, asked_at))
         self.parked.pop(worker, None)
         if n == 0:
@@ -288,6 +301,11 @@ class WorkPool:
         for worker, (_, _, since) in list(self.parked.items()):
             if now >= since + self._lapse_s():  # as `next_deadline` adds it up (floats)
                 del self.parked[worker]  # its worker stopped asking: do not lease to it
+        for worker, t in list(self.asked.items()):
+            if worker not in self.parked and now >= t + self._waiting_s():
+                del self.asked[worker]  # no longer about to ask (it will be again when it asks)
+        if self.switching_until is not None and now >= self.switching_until:
+            self.switching_until = None  # (as `next_deadline` gives it)
         out = {}
         for worker, (n, version, since) in list(self.parked.items()):
             if self.room() == 0:
@@ -297,20 +315,39 @@ class WorkPool:
                 out[worker] = granted
         return out
 
-    def _split(self, worker: str, free: int, now: float) -> int:
+    def _split(self, worker: str, free: int, now: float, current: int) -> int:
         """``worker``'s part of ``free`` useful prompts: an equal part among it and the other workers
-        waiting for work (parked, or asked within `_lapse_s` and holding none), so that the first to
-        ask does not take what the others wait for; a worker that finishes sooner asks again sooner
-        and so gets more (work follows speed where generation is the bottleneck)."""
-        waiting = [
-            w
-            for w, t in self.asked.items()
-            if w != worker and (w in self.parked or (now - t < self._lapse_s() and not self.table.holds(w)))
-        ]
+        waiting for work, so that the first to ask does not take what the others wait for; a worker
+        that finishes sooner asks again sooner and so gets more. Waiting: parked with a version
+        whose results would be used (or any, for `ABOUT_TO_ASK_S` after the trainer's version
+        changed: it is switching to the new one; one that lags longer waits for nothing), or not
+        parked, holding no lease and heard from (a want, a result) within `ABOUT_TO_ASK_S`: between
+        batches. `next_deadline` wakes the coordinator when either window ends, so a want held back
+        for such a worker is answered then."""
+        waiting = [w for w in self._waiting(now, current) if w != worker]
         base, extra = divmod(free, 1 + len(waiting))
         # the remainder to those granted least so far (this worker first among equals)
         first = sorted([worker, *waiting], key=lambda w: (self.served[w], w != worker))[:extra]
         return base + (worker in first)
+
+    def _waiting(self, now: float, current: int) -> list[str]:
+        """The workers waiting for work at ``now`` (see `_split`)."""
+        if self.version_seen != current:  # a new version: workers switch to it (not at the first one seen)
+            if self.version_seen is not None:
+                self.switching_until = now + self._waiting_s()
+            self.version_seen = current
+        switching = self.switching_until is not None and now < self.switching_until
+        out = []
+        for w, t in self.asked.items():
+            if w in self.parked:
+                if switching or self._useful(self.parked[w][1], current):
+                    out.append(w)
+            elif now < t + self._waiting_s() and not self.table.holds(w):
+                out.append(w)
+        return out
+
+    def _waiting_s(self) -> float:
+        return min(ABOUT_TO_ASK_S, self._lapse_s())
 
     def _lapse_s(self) -> float:
         """How long a parked want lasts: half a lease TTL, at least 2 s (a worker asks again sooner)."""
@@ -345,6 +382,8 @@ class WorkPool:
         self, worker: str, item: int, token: Token, version: int, current: int, samples: Sequence[SampleIn], now: float
     ) -> Accepted | Rejected:
         """Offer a result (see the rules in the module docstring)."""
+        if worker in self.asked or self.table.holds(worker):  # a worker's own result: about to ask again
+            self.asked[worker] = max(now, self.asked.get(worker, now))
         bad = self.check(samples, version, current)
         if bad is None and current - version > self.max_stale:
             outcome = self.table.release(worker, item, token, now)
@@ -390,6 +429,12 @@ class WorkPool:
     def next_deadline(self) -> float | None:
         """When `expire` or `unpark` next has something to do on its own."""
         lapse = [since + self._lapse_s() for _, _, since in self.parked.values()]
+        if self.parked:  # a worker leaving the waiting window may free what a parked want was held back from
+            lapse += [
+                t + self._waiting_s() for w, t in self.asked.items() if w not in self.parked and not self.table.holds(w)
+            ]
+            if self.switching_until is not None:
+                lapse.append(self.switching_until)
         cands = [d for d in (self.table.next_deadline(), min(lapse, default=None)) if d is not None]
         return min(cands, default=None)
 
