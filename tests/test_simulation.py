@@ -23,6 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from aurora.bench.leases import simulate
 from aurora.protocol import RestartBudget
 from aurora.protocol.workpool import PoolSettings
 from aurora.testing.leasesim import TRAINER, HoardingWorker, SimTrainer, SimWorker
@@ -263,20 +264,10 @@ def test_hoarding_workers_cannot_starve_the_learner() -> None:
     assert attacked >= honest / 3, (attacked, honest)
 
 
-def _shares(
-    work_s: dict[str, float], train_s: float, *, batched: bool = True, seconds: float = 600.0
-) -> dict[str, float]:
-    """Each worker's part of the accepted results of a run as the main job is set up (leases of 4
-    prompts, a learner batch of 4, 2 batches ahead, one-step asynchronous)."""
-    net = SimNetwork(seed=0, faults=Faults(delay_s=0.01, jitter_s=0.02))
-    pool = PoolSettings(ttl_s=30.0, prompts_per_lease=4, batch_s=2.0, ahead_steps=2, max_stale=1)
-    trainer = SimTrainer(pool, batch=4, steps=100_000, children=list(work_s), train_s=train_s)
-    net.add(trainer)
-    for w, s in work_s.items():
-        net.add(SimWorker(w, work_s=s, prompts_per_lease=4, batched=batched))
-    net.advance(seconds)
-    done = [a.worker for a in trainer.log.accepted]
-    return {w: done.count(w) / len(done) for w in work_s}
+def _shares(work_s: dict[str, float], train_s: float, *, batched: bool = True) -> dict[str, float]:
+    """Each worker's part of the accepted results of 600 simulated seconds with the main job's leasing
+    (`aurora bench leases`)."""
+    return simulate(work_s, train_s, batched, seconds=600.0).shares
 
 
 def test_equal_workers_get_equal_work_whether_the_learner_or_generation_is_the_bottleneck() -> None:
