@@ -43,6 +43,7 @@ from aurora.transport.base import Channel, Message
 from aurora.config.topology import LeaseSpec
 from aurora.errors import ActorDead, TransportClosed
 from aurora.events import (
+    BATCH_GENERATED,
     BATCH_RETURNED,
     BATCH_TAKEN,
     ENGINE_SWITCHED,
@@ -342,6 +343,9 @@ class Worker(Actor):
         t0 = time.perf_counter()
         done = await in_thread(self.engine.generate, held, version, self.group_size)
         self.stats.generate_s += time.perf_counter() - t0
+        log.info(
+            BATCH_GENERATED, prompts=len(done), version=version, generate_ms=round(1e3 * (time.perf_counter() - t0), 1)
+        )
         for c in done:
             self.stats.completions += 1
             self.stats.tokens += sum(len(s.tokens) for s in c.samples)

@@ -174,7 +174,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "both runs' tokens/s, their ratio, and the fraction of wall time that generation was "
         "paused for weight switches, with the mean sync time and delta size and density, and "
         "the CPU time per step of each role's nodes (trainer, relay, rollout) in both runs, and each "
-        "rollout's share of the prompts leased in each run's timed window.",
+        "rollout's share of the prompts generated in each run's timed window.",
     )
     r.add_argument(
         "topology",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aurora.bench.rl import cpu_per_step, measure
-from aurora.events import CHANNEL_CLOSED, ENGINE_SWITCHED, STEP, WORK_STARTED
+from aurora.events import BATCH_GENERATED, CHANNEL_CLOSED, ENGINE_SWITCHED, STEP
 from tests.helpers import rl_topology
 
 
@@ -31,8 +31,8 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
         tmp_path / "r0.log",
         [
             {"event": ENGINE_SWITCHED, "version": 0, "from_version": None, "switch_ms": 500.0, "timestamp": at(5)},
-            {"event": WORK_STARTED, "leases": 3, "timestamp": at(7)},
-            {"event": WORK_STARTED, "leases": 8, "timestamp": at(1)},  # before the window
+            {"event": BATCH_GENERATED, "prompts": 3, "timestamp": at(7)},
+            {"event": BATCH_GENERATED, "prompts": 8, "timestamp": at(1)},  # before the window
         ],
     )
     _log(
@@ -41,7 +41,7 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
             {"event": ENGINE_SWITCHED, "version": 3, "from_version": 2, "switch_ms": 400.0, "timestamp": at(6)},
             # before the window:
             {"event": ENGINE_SWITCHED, "version": 1, "from_version": 0, "switch_ms": 900.0, "timestamp": at(1)},
-            {"event": WORK_STARTED, "leases": 1, "timestamp": at(9)},
+            {"event": BATCH_GENERATED, "prompts": 1, "timestamp": at(9)},
         ],
     )
     m = measure(tmp_path, "trainer", ["r0", "r1"], warmup=1)  # window: step 2 (4 s) to step 6 (12 s)
@@ -49,7 +49,7 @@ def test_paused_counts_version_switches_not_an_engines_first_load(tmp_path: Path
     assert m["tokens_s"] == pytest.approx(400 / 8.0)
     assert m["paused"] == pytest.approx((0.0 + 0.4 / 8.0) / 2)
     assert m["cpu_ms_per_step"] is None  # no cpu.jsonl
-    assert m["shares"] == pytest.approx({"r0": 0.75, "r1": 0.25})  # prompts leased in the window
+    assert m["shares"] == pytest.approx({"r0": 0.75, "r1": 0.25})  # prompts generated in the window
 
 
 def test_cpu_per_step_is_each_roles_mean_over_the_timed_steps(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ import yaml
 from aurora.config.rl import ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError
-from aurora.events import ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED, WORK_STARTED
+from aurora.events import BATCH_GENERATED, ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.metrics import collect
 from aurora.run import run
@@ -104,7 +104,9 @@ def measure(
             if e.get("event") == ENGINE_SWITCHED and e.get("from_version") is not None and t0 <= event_time(e) <= t1
         ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
-        leased[r] = sum(int(e["leases"]) for e in log if e.get("event") == WORK_STARTED and t0 <= event_time(e) <= t1)
+        leased[r] = sum(
+            int(e["prompts"]) for e in log if e.get("event") == BATCH_GENERATED and t0 <= event_time(e) <= t1
+        )
     rows = [r for r in collect(events) if r["version"] > warmup]
     cpu = cpu_per_step(state / "cpu.jsonl", int(steps[warmup]["version"]), int(steps[-1]["version"]), roles or {})
 
@@ -124,7 +126,7 @@ def measure(
         "density": mean("density"),
         "reward": mean("reward"),
         "cpu_ms_per_step": cpu,
-        # each rollout's part of the prompts leased in the window (its `work_started` events)
+        # each rollout's part of the prompts generated in the window (its `batch_generated` events)
         "shares": {r: n / sum(leased.values()) for r, n in leased.items()} if sum(leased.values()) else {},
     }
 
@@ -208,7 +210,7 @@ def render(r: dict[str, Any]) -> str:
     for mode in ("sync", "ideal"):
         if r[mode].get("shares"):
             parts = ", ".join(f"{w} {v:.2f}" for w, v in r[mode]["shares"].items())
-            lines.append(f"work shares ({mode}, prompts leased in the window): {parts}")
+            lines.append(f"work shares ({mode}, prompts generated in the window): {parts}")
     s = r["sync"]
     if s.get("seal_ms") is not None and s.get("publish_ms"):
         lines.append(
