@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -72,6 +73,7 @@ from aurora.actors.work import (
 from aurora.transport.base import Channel, Transport
 
 from aurora.auth.keys import OPERATOR, NodeKeys
+from aurora.auth.pool import check_cert
 from aurora.auth.seal import SealVerifier
 from aurora.codec import Weights
 from aurora.config.plan import Tree
@@ -84,14 +86,20 @@ from aurora.events import (
     PARENT_FAILED,
     PARENT_LOST,
     PARENT_RETURN,
+    POOL_MEMBER_JOINED,
+    POOL_MEMBER_LEFT,
+    POOL_MEMBER_REFUSED,
     STEP,
     VERSION_SYNCED,
     WEBRTC_PARENT_CONNECTED,
 )
+from aurora.logs import Throttle
 from aurora.protocol import membership
 from aurora.protocol.messages import (
     DOWN,
+    MAX_REASON_CHARS,
     UP,
+    Admitted,
     AppMessage,
     DeltaChunk,
     DeltaManifest,
@@ -99,7 +107,9 @@ from aurora.protocol.messages import (
     Have,
     Held,
     Hello,
+    Join,
     Lane,
+    MemberCert,
     NodeReport,
     PathUpdate,
     Refused,
@@ -110,6 +120,7 @@ from aurora.protocol.messages import (
     StatusSnapshot,
     Want,
 )
+from aurora.protocol.roster import PoolRoster
 from aurora.protocol.workpool import WorkPool
 from aurora.rl.learners import Learner
 from aurora.runtime import (
@@ -126,8 +137,10 @@ from aurora.tracking import Tracker, Trackers
 
 if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology uses WebRTC
     from aurora.transport.webrtc import WebRtcTransport
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 log = structlog.get_logger("aurora.node")
+_quiet = Throttle(every_s=5.0)
 
 
 class NodeTransport(Transport, Protocol):
@@ -149,13 +162,21 @@ class TreeView(Protocol):
     keys: NodeKeys
     role: dict[str, Role]
     place: membership.Place
+    rules: membership.TreeRules
     routes: Routes
     pool: WorkPool | None
     rtc: WebRtcTransport | None
     parent: Channel | None
     flow: VersionFlow
 
+    cert: MemberCert | None
+    roster: PoolRoster | None
+
     def ref(self, actor: str) -> ActorRef | None: ...
+    async def admit(self, member: str, cert: MemberCert | None, probe: bool) -> str | None: ...
+    def on_admitted(self, m: Admitted) -> bool: ...
+    def join(self, member: str) -> str | None: ...
+    def heard_member(self, member: str) -> bool: ...
     def report(self) -> NodeReport: ...
     def on_status_message(self, m: Held | Status) -> None: ...
     def snapshot(self) -> StatusSnapshot: ...
@@ -187,7 +208,9 @@ class Node:
         self.file = file
         self.keys = keys or NodeKeys()
         self.role = {n.name: n.role for n in topo.nodes}
-        self.rules = membership.TreeRules(tree.parent, tree.fallbacks, self.role)
+        self.rules = membership.TreeRules(
+            tree.parent, tree.fallbacks, self.role, {p.name: p.parents for p in topo.pools}
+        )
         """Who may attach where, and whom a child speaks for."""
         self.place = membership.Place(name, self.rules)
         """Where this node sits (its path; None while detached) and the parents it holds in quarantine."""
@@ -209,6 +232,21 @@ class Node:
             [n.name for n in topo.nodes if n.role != "trainer"],
             planned={n: p for n, p in tree.parent.items() if p is not None},
         )
+        self.pools = {p.name: p for p in topo.pools}
+        self.pool_keys: dict[str, Ed25519PublicKey] = {}
+        """Each pool's public key (at a pool's parent: `aurora.node` loads them)."""
+        self.roster = (
+            PoolRoster(
+                {p.name: p.max_size for p in topo.pools}, max(2 * topo.heartbeat.lost_after_s, 3 * STATUS_EVERY_S)
+            )
+            if topo.pools and self.role.get(name) == "trainer"
+            else None
+        )
+        """The trainer's: each pool's members (`aurora.protocol.roster`)."""
+        self.cert: MemberCert | None = None
+        """A pool member's certificate, shown with its hello."""
+        self._admissions: dict[str, tuple[asyncio.Event, list[Admitted]]] = {}
+        """A relay's hellos of pool members waiting for the trainer's answer to their `Join`."""
         self.sup: Supervisor | None = None
         self.rtc: WebRtcTransport | None = None
         """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
@@ -235,6 +273,77 @@ class Node:
             return self.sup.ref(actor)
         except KeyError:
             return None
+
+    async def admit(self, member: str, cert: MemberCert | None, probe: bool) -> str | None:
+        """Why pool member ``member``, which said hello with ``cert``, may not attach here (None: it may).
+        Its certificate is checked here (`aurora.auth.pool.check_cert`); then, unless it only probes,
+        the trainer gives it a place in its pool — here, or asked with a `Join` up the tree (no answer
+        within half a ``lost_after_s``: refused, and the member says hello again)."""
+        if cert is None:
+            return "a pool member shows its certificate with its hello"
+        why = check_cert(cert, member, self.name, self.pools, self.pool_keys, time.time())
+        if why is not None:
+            return f"its certificate {why}"
+        if probe:
+            return None
+        if self.roster is not None:
+            return self.join(member)
+        if member in self._admissions:
+            return "its hello is already waiting for the trainer"
+        answered, answer = asyncio.Event(), list[Admitted]()
+        self._admissions[member] = (answered, answer)
+        try:
+            if not await self.up(Join(w=member), ()):
+                return "this node has no parent to ask the trainer through"
+            if not await self.clock.wait_until(answered, self.clock.now() + self.topo.heartbeat.lost_after_s / 2):
+                return "the trainer did not answer its join in time"
+        finally:
+            del self._admissions[member]
+        return None if answer[0].ok else (answer[0].reason or "refused by the trainer")
+
+    def on_admitted(self, m: Admitted) -> bool:
+        """The trainer's answer to a `Join` this node sent: True if a hello was waiting for it."""
+        waiting = self._admissions.get(m.w)
+        if waiting is None:
+            return False
+        waiting[1].append(m)
+        waiting[0].set()
+        return True
+
+    def join(self, member: str) -> str | None:
+        """Trainer: a place for ``member`` in its pool (None), or why there is none; logged."""
+        assert self.roster is not None
+        now = self.clock.now()
+        self._left(now)
+        had = self.roster.holds(member)
+        why = self.roster.join(member, now)
+        if why is not None:
+            log.warning(POOL_MEMBER_REFUSED, member=member, reason=why)
+        elif not had:
+            log.info(POOL_MEMBER_JOINED, member=member, pool=self.roster.pool_of(member), members=self.roster.members())
+        return why
+
+    def _left(self, now: float) -> None:
+        assert self.roster is not None
+        for gone in self.roster.prune(now):
+            self.status.forget(gone)
+            log.info(POOL_MEMBER_LEFT, member=gone, reason=f"not heard from for {self.roster.hold_s:g} s")
+
+    def heard_member(self, member: str) -> bool:
+        """Trainer: pool member ``member`` was heard from (a report, a work message): does it hold a
+        place? One that lost its place to silence (a partition) gets one back while there is room."""
+        if self.roster is None or self.rules.pool_of(member) is None:
+            return False
+        now = self.clock.now()
+        self._left(now)
+        if self.roster.holds(member):
+            return self.roster.seen(member, now)
+        why = self.roster.join(member, now)
+        if why is None:
+            log.info(POOL_MEMBER_JOINED, member=member, pool=self.roster.pool_of(member), members=self.roster.members())
+        elif (suppressed := _quiet.allow(f"member/{member}", now)) is not None:
+            log.warning(POOL_MEMBER_REFUSED, member=member, reason=why, suppressed=suppressed)
+        return why is None
 
     def report(self) -> NodeReport:
         """This node's `Status` report (see `aurora.actors.status`)."""
@@ -266,12 +375,18 @@ class Node:
             if dt is not None:
                 log.info(VERSION_SYNCED, version=m.v, sync_s=round(dt, 4))
                 self.tracker.record(m.v, {"sync_s": dt})
-        else:
+        elif self.rules.pool_of(m.n) is None:
             self.status.on_report(m.n, m.r, self.clock.now())
+        elif self.heard_member(m.n):
+            self.status.on_report(m.n, m.r, self.clock.now(), member=True)
 
     def snapshot(self) -> StatusSnapshot:
         assert self.pool is not None
-        return StatusSnapshot(snap=self.status.snapshot(self.flow.version, self.pool.stats(), self.clock.now()))
+        snap = self.status.snapshot(self.flow.version, self.pool.stats(), self.clock.now())
+        if self.roster is not None:
+            self._left(self.clock.now())
+            snap = msgspec.structs.replace(snap, pools=self.roster.members())
+        return StatusSnapshot(snap=snap)
 
     async def up(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:
         return await send_or_drop(self.parent, msg, buffers)
@@ -464,6 +579,9 @@ async def _serve_child(node: TreeView, ch: Channel) -> None:
         await ch.close("expected a hello")
         return
     answer = place.hello(ch.peer)
+    if not isinstance(answer, Refused) and node.rules.pool_of(ch.peer) is not None:
+        why = await node.admit(ch.peer, hello.cert, hello.probe)
+        answer = place.hello(ch.peer) if why is None else Refused(reason=why[:MAX_REASON_CHARS])
     if isinstance(answer, Refused):
         log.info("child_refused", child=ch.peer, reason=answer.reason, probe=hello.probe)
         await ch.send(answer)
@@ -500,10 +618,18 @@ async def _from_child(node: TreeView, ch: Channel) -> None:
             if not node.place.speaks_for_worker(ch.peer, m.w):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for worker {m.w!r}, which it does not speak for")
                 continue
-            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want), open_children=node.flow.children):
+            if isinstance(m, Join) and node.rules.pool_of(m.w) is None:
+                ch.fault(f"{ch.peer!r} sent a join for {m.w!r}, which is no pool's member")
+                continue
+            if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want | Join), open_children=node.flow.children):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.w!r}, whose work goes through another child")
                 continue
-            if coordinator is not None:
+            if node.roster is not None and isinstance(m, Join):
+                why = node.join(m.w)
+                await node.down(Admitted(w=m.w, ok=why is None, reason=why), ())
+            elif node.roster is not None and node.rules.pool_of(m.w) is not None and not node.heard_member(m.w):
+                continue  # a member without a place in its pool gets no work (logged by heard_member)
+            elif coordinator is not None:
                 await tell_or_drop(coordinator, msg)
             else:
                 await node.up(m, tuple(msg.buffers))
@@ -618,7 +744,7 @@ class UplinkActor(Actor):
         for out in outs:
             if isinstance(out, membership.SendHello):
                 assert ch is not None
-                await ch.send(Hello(v=node.flow.version))
+                await ch.send(Hello(v=node.flow.version, cert=node.cert))
             elif isinstance(out, membership.TellChildren):
                 await node.tell_children(out.update)
             elif isinstance(out, membership.Probe):
@@ -667,6 +793,10 @@ class UplinkActor(Actor):
             m = msg.msg
             if isinstance(m, PathUpdate):
                 await self._do(up, ch, up.path_moved(m.path, self.clock.now()))
+            elif isinstance(m, Admitted):
+                if not node.on_admitted(m) and m.w in node.routes.via:
+                    await node.down(m, tuple(msg.buffers))  # a join that came through this relay
+                # else: the answer to a hello that stopped waiting (the member says hello again)
             elif isinstance(m, DOWN):
                 if worker is not None and m.w == node.name:
                     await tell_or_drop(worker, msg)
@@ -704,7 +834,7 @@ async def _probe(node: TreeView, zt: NodeTransport, parent: str, timeout_s: floa
         ch = await zt.connect(parent, addr)
         try:
             async with node.clock.timeout(timeout_s):
-                await ch.send(Hello(v=node.flow.version, probe=True))
+                await ch.send(Hello(v=node.flow.version, probe=True, cert=node.cert))
                 return (await ch.recv()).msg
         finally:
             await zt.disconnect(parent)

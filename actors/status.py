@@ -91,10 +91,14 @@ class ClusterStatus:
             self.sync_s.popitem(last=False)
         return dt
 
-    def on_report(self, node: str, report: NodeReport, now: float) -> None:
-        """``node``'s status report, come at ``now``."""
-        if node in self.nodes:
+    def on_report(self, node: str, report: NodeReport, now: float, *, member: bool = False) -> None:
+        """``node``'s status report, come at ``now`` (``member``: a pool member that holds a place)."""
+        if node in self.nodes or member:
             self.reports[node] = (report, now)
+
+    def forget(self, member: str) -> None:
+        """A pool member left its pool: its reports go (memory stays bounded by the pools' sizes)."""
+        self.reports.pop(member, None)
 
     def slowest_link(self, now: float) -> tuple[float, str] | None:
         """The lowest rate a node reports receiving a bulk transfer at, and that node (None: no node

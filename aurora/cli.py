@@ -190,14 +190,15 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("keys", help="CurveZMQ and signing keys", description="Make the keys a topology uses.")
-    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate}")
+    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate,enroll}")
     g = ks.add_parser(
         "generate",
         help="write new key pairs: one, or every key a topology needs",
         description="With --topology T.yaml: write every key the topology's key directory "
         "(keys: {dir: ...}) needs and does not hold yet — NODE.key and NODE.key_secret (CurveZMQ) "
         "for every node, operator.key/.key_secret for `aurora status`, and TRAINER.sign and "
-        "TRAINER.sign_pub (the trainer's Ed25519 key that signs every version). Existing keys are "
+        "TRAINER.sign_pub (the trainer's Ed25519 key that signs every version), and POOL.pool and "
+        "POOL.pool_pub for each pool (the Ed25519 key that certifies its members). Existing keys are "
         "kept, never overwritten. With NAME: write NAME.key and NAME.key_secret in --dir. Secret "
         "files are created with mode 0600 before their first byte is written. On a deployment, "
         "copy every public file to every machine and each secret file only to its own node's.",
@@ -205,6 +206,26 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("name", nargs="?", help="key pair name, e.g. the node id (without --topology)")
     g.add_argument("--topology", type=Path, default=None, help="make every key this topology's key directory needs")
     g.add_argument("-o", "--dir", type=Path, default=Path("."), help="directory to write NAME's pair into (default .)")
+    e = ks.add_parser(
+        "enroll",
+        help="issue a pool member's credential",
+        description="Issue a credential for one new member of an elastic pool (pools: in the topology): "
+        "a fresh CurveZMQ key pair and a certificate of it, signed with the pool's key (POOL.pool in "
+        "the key directory, so run this where that secret is), valid for --ttl. The credential file "
+        "(JSON, mode 0600, never overwritten) is all a member machine needs besides the topology and "
+        "the public keys: `aurora node --topology T --pool POOL --credential FILE`. The member's name "
+        "is POOL. and 16 hex digits of its key's hash (printed). Revoke one by listing its name in "
+        "pools[].revoked (its parents read that at start).",
+    )
+    e.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
+    e.add_argument("--pool", required=True, help="the pool the member joins")
+    e.add_argument("-o", "--output", type=Path, required=True, help="the credential file to write")
+    e.add_argument(
+        "--ttl",
+        default="7d",
+        metavar="DURATION",
+        help="how long the credential is valid: seconds, or with a unit s, m, h, d (default 7d)",
+    )
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -291,7 +312,20 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "structlog JSON lines (console on a terminal).",
     )
     p.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
-    p.add_argument("--name", required=True, help="this node's name in the topology")
+    p.add_argument("--name", default=None, help="this node's name in the topology (not with --pool)")
+    p.add_argument(
+        "--pool",
+        default=None,
+        help="join this elastic pool of the topology as a rollout worker (with --credential): the node "
+        "attaches where the pool says, under the member name its credential's key decides, and may "
+        "leave at any time",
+    )
+    p.add_argument(
+        "--credential",
+        type=Path,
+        default=None,
+        help="the pool member's credential file (from `aurora keys enroll --pool`)",
+    )
     p.add_argument(
         "--role",
         choices=["trainer", "relay", "rollout"],
@@ -857,12 +891,18 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
-    from aurora.node import run_node
+    from aurora.node import as_member, run_node
     from aurora.run import ensure_model
 
     topo = load_topology(args.topology)
     tree = plan(topo, str(args.topology))
+    credential = None
+    if args.pool is not None or args.credential is not None:
+        credential = _member_credential(args, topo)
+        topo, tree, args.name = as_member(topo, tree, credential)
     names = [n.name for n in topo.nodes]
+    if args.name is None:
+        raise AuroraError("give --name NODE, or --pool POOL with --credential FILE")
     if args.name not in names:
         raise AuroraError(f"{args.topology}: no node named {args.name!r} (nodes: {', '.join(names)})")
     role = topo.node(args.name).role
@@ -903,10 +943,29 @@ def cmd_node(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             threads=args.threads,
             bind=args.bind,
+            credential=credential,
         )
 
     asyncio.run(main())
     return 0
+
+
+def _member_credential(args: argparse.Namespace, topo: Any) -> Any:
+    """The credential ``aurora node --pool P --credential F`` runs with, checked as its parents will."""
+
+    from aurora.auth.pool import check_credential, read_credential
+
+    if args.pool is None or args.credential is None:
+        raise AuroraError("--pool and --credential come together")
+    if args.name is not None:
+        raise AuroraError("a pool member's name is its key's (give --pool and --credential, not --name)")
+    if args.bind is not None:
+        raise AuroraError("--bind: a pool member listens nowhere (it has no children)")
+    cred = read_credential(args.credential)
+    if cred.cert.pool != args.pool:
+        raise AuroraError(f"{args.credential} is a credential of pool {cred.cert.pool!r}, not {args.pool!r}")
+    check_credential(topo, str(args.topology), cred, time.time())
+    return cred
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -1019,6 +1078,32 @@ def cmd_status(args: argparse.Namespace) -> int:
             view.close()
 
 
+def _duration_s(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if m is None:
+        raise AuroraError(f"--ttl {text!r}: expected seconds, or a number with s, m, h or d")
+    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
+
+
+def cmd_keys_enroll(args: argparse.Namespace) -> int:
+
+    from aurora.auth.pool import enroll, write_credential
+    from aurora.config.topology import load_topology
+
+    topo = load_topology(args.topology)
+    cred = enroll(topo, str(args.topology), args.pool, _duration_s(args.ttl), time.time())
+    try:
+        write_credential(args.output, cred)
+    except FileExistsError:
+        raise AuroraError(f"{args.output} exists; refusing to overwrite a credential") from None
+    except OSError as e:
+        raise AuroraError(f"{args.output}: cannot write the credential: {e.strerror}") from None
+    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(cred.cert.expires))
+    print(f"wrote {args.output} (mode 0600): member {cred.name} of pool {args.pool!r}, valid until {until}")
+    print(f"run it: aurora node --topology {args.topology} --pool {args.pool} --credential {args.output}")
+    return 0
+
+
 def cmd_keys_generate(args: argparse.Namespace) -> int:
     import re
 
@@ -1038,7 +1123,7 @@ def cmd_keys_generate(args: argparse.Namespace) -> int:
 
         for path, new in made:
             print(f"{'wrote' if new else 'kept '} {path}")
-        secrets_ = [p for p, _ in made if p.name.endswith(("key_secret", ".sign"))]
+        secrets_ = [p for p, _ in made if p.name.endswith(("key_secret", ".sign", ".pool"))]
         exposed = [problem for p in secrets_ if (problem := private_mode_problem(p)) is not None]
         print(
             f"{sum(new for _, new in made)} files written, {sum(not new for _, new in made)} kept; "
@@ -1074,6 +1159,7 @@ COMMANDS = {
     ("model", "init"): cmd_model_init,
     ("model", "fetch"): cmd_model_fetch,
     ("keys", "generate"): cmd_keys_generate,
+    ("keys", "enroll"): cmd_keys_enroll,
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,
     ("run", None): cmd_run,

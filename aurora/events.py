@@ -106,6 +106,14 @@ CHILD_SHUTDOWN_TIMEOUT = "child_shutdown_timeout"
 RESTART_INTENSITY_EXCEEDED = "restart_intensity_exceeded"
 """A supervisor gave up (too many restarts in its window): ``supervisor``, ``child``."""
 
+# -- elastic pools (aurora.actors.node, on the trainer)
+POOL_MEMBER_JOINED = "pool_member_joined"
+"""A pool member got a place in its pool: ``member``, ``pool``, ``members`` (each pool's)."""
+POOL_MEMBER_LEFT = "pool_member_left"
+"""A pool member lost its place (not heard from): ``member``, ``reason``."""
+POOL_MEMBER_REFUSED = "pool_member_refused"
+"""A pool member got no place (its pool is full): ``member``, ``reason``."""
+
 # -- links (aurora.transport)
 BAD_MESSAGE = "bad_message"
 """A peer sent a message out of place (`Channel.fault`): ``peer``, ``reason``."""

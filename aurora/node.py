@@ -37,13 +37,14 @@ from aurora.actors.node import (
     UplinkActor,
 )
 from aurora.actors.work import Coordinator, Worker
-from aurora.auth.keys import exposed_nodes, load_node_keys
+from aurora.auth.keys import exposed_nodes, load_member_keys, load_node_keys
+from aurora.auth.pool import Credential, member_name, pool_verifiers
 from aurora.auth.seal import Sealer, state_hash, weights_layout
 from aurora.codec import Weights
 from aurora.codec.warm import warm_up
 from aurora.config.plan import Tree
 from aurora.config.rl import EngineSpec
-from aurora.config.topology import Topology, WebRtcSpec
+from aurora.config.topology import NodeSpec, PoolSpec, Topology, WebRtcSpec
 from aurora.errors import AuthError, ConfigError, StoreError
 from aurora.events import NODE_RESUMED, NODE_STARTED, RESULTS_RESTORED, STORE_VERSION_UNUSABLE, TRAINER_RESUMED
 from aurora.protocol.leases import LeaseHolder
@@ -83,8 +84,12 @@ async def run_node(
     threads: int | None = None,
     clock: Clock | None = None,
     bind: str | None = None,
+    credential: Credential | None = None,
 ) -> None:
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
+
+    ``credential``: run as a member of the credential's pool (``name`` is then its member name,
+    `aurora.auth.pool`), attached where the pool says.
 
     ``store``: the node's version store (resume from its latest usable version); None keeps none.
     ``transport``: default ZeroMQ from the topology (tests pass `aurora.testing.links`).
@@ -95,13 +100,18 @@ async def run_node(
     transports (default: real time; a test's `aurora.runtime.VirtualClock` runs the node in
     virtual time; a ``transport`` given brings its own, which should be the same)."""
     clock = clock or LoopClock()
+    if credential is not None:
+        topo, tree, name = as_member(topo, tree, credential)
     try:
         spec = topo.node(name)
     except KeyError:
         raise ConfigError(
             f"no node named {name!r} (nodes: {', '.join(n.name for n in topo.nodes)})", file=file
         ) from None
-    keys = load_node_keys(topo, name, file)
+    keys = (
+        load_node_keys(topo, name, file) if credential is None else load_member_keys(topo, file, name, credential.curve)
+    )
+    pools_here = [p for p in topo.pools if name in p.parents]
     exposed = exposed_nodes(topo) if transport is None else []  # a test's in-memory links listen nowhere
     if not keys.secure and exposed and not insecure:
         raise ConfigError(
@@ -124,6 +134,10 @@ async def run_node(
     node = Node(
         name, topo, tree, file, keys, threads=default_threads() if threads is None else max(1, threads), clock=clock
     )
+    if credential is not None:
+        node.cert = credential.cert
+    if pools_here and keys.secure:
+        node.pool_keys = pool_verifiers(topo, file)
     await in_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await open_trainer(node, store)
@@ -132,7 +146,14 @@ async def run_node(
         if spec.role == "rollout" and topo.engine is not None:
             node.engine = await in_thread(make_engine, topo.engine)
     try:
-        zt: NodeTransport = transport or ZmqTransport(name, cfg=cfg, bind=bind or spec.listen, keys=keys, clock=clock)
+        zt: NodeTransport = transport or ZmqTransport(
+            name,
+            cfg=cfg,
+            bind=bind or spec.listen,
+            keys=keys,
+            members=_members_rule(pools_here) if pools_here else None,
+            clock=clock,
+        )
         if any(isinstance(n.transport, WebRtcSpec) for n in topo.nodes):
             node.rtc = _rtc(topo, name, file, clock)
         if observe is not None:
@@ -169,6 +190,40 @@ async def run_node(
                     await zt.close()
     finally:
         node.tracker.close()  # the trainer's TensorBoard/W&B files flushed, however the node ends
+
+
+def as_member(topo: Topology, tree: Tree, credential: Credential) -> tuple[Topology, Tree, str]:
+    """The topology and tree as a pool member sees them: itself added, a rollout of its pool's region
+    under the pool's first parent, the others its fallbacks (the named nodes know it by its pool)."""
+    pool = topo.pool(credential.cert.pool)
+    name = credential.name
+    if name in tree.parent:
+        return topo, tree, name  # already added
+    me = NodeSpec(
+        name=name,
+        role="rollout",
+        region=topo.pool_region(pool),
+        parent=pool.parents[0],
+        fallback_parents=pool.parents[1:],
+    )
+    tree = replace(
+        tree,
+        parent={**tree.parent, name: pool.parents[0]},
+        fallbacks={**tree.fallbacks, name: pool.parents[1:]},
+        finish_s={**tree.finish_s, name: 0.0},
+    )
+    return replace(topo, nodes=(*topo.nodes, me)), tree, name
+
+
+def _members_rule(pools: list[PoolSpec]) -> Callable[[str, bytes], bool]:
+    """Whether a CurveZMQ key is that of the pool member it claims to be (of a pool parented here)."""
+    names = {p.name for p in pools}
+
+    def rule(claimed: str, key: bytes) -> bool:
+        pool = claimed.rpartition(".")[0]
+        return pool in names and member_name(pool, key) == claimed
+
+    return rule
 
 
 def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float) -> list[ChildSpec]:

@@ -34,7 +34,9 @@ semantics (`aurora.transport.base`) on top of ZeroMQ's ordered delivery:
 * ``linger=0`` everywhere, so closing never hangs; DEALERs reconnect by
   themselves with exponential backoff (``reconnect_ivl`` .. ``reconnect_ivl_max``).
 * CurveZMQ when keys are given: the server's secret key, and the map of client
-  public keys to node names; any other client is refused by ZAP and logged.
+  public keys to node names; any other client is refused by ZAP and logged — except at a
+  parent of an elastic pool, where an unknown key gets in but is heard only under the pool
+  member name it is the key of (its certificate is then checked at its hello, `aurora.auth.pool`).
 * frames above ``max_frame_bytes`` are refused at `send` (`FrameTooLarge`) and
   by the receiving socket (``ZMQ_MAXMSGSIZE``), never buffered; a message of more frames
   than any message has is dropped as malformed (libzmq bounds each frame, not their number).
@@ -50,7 +52,7 @@ import ctypes
 import itertools
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -343,7 +345,9 @@ class ZmqServer(_Endpoint):
     """The binding side (a parent). `accept` yields a channel per child that says hello.
 
     ``clients``: with CurveZMQ, every client public key (Z85) this server lets in, mapped to
-    the node name it belongs to; a key not in it is refused by ZAP."""
+    the node name it belongs to; a key not in it is refused by ZAP — unless ``members`` is given
+    (this node is a pool's parent): then any key passes ZAP, and one not in ``clients`` is heard only
+    under the pool member name it is the key of."""
 
     def __init__(
         self,
@@ -353,14 +357,20 @@ class ZmqServer(_Endpoint):
         cfg: LinkConfig | None = None,
         curve: CurveKeys | None = None,
         clients: Mapping[bytes, str] | None = None,
+        members: Callable[[str, bytes], bool] | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__(node_id, cfg or LinkConfig(), new_incarnation(), clock)
         if (curve is None) != (clients is None):
             raise ValueError("CurveZMQ needs both the server's keys and the clients' keys")
+        if members is not None and curve is None:
+            raise ValueError("pool members are known by their CurveZMQ keys: members needs curve")
         self.bind_addr = bind
         self.curve = curve
         self.clients = dict(clients) if clients is not None else None
+        self.members = members
+        """Pool members (`aurora.auth.pool`): ``members(name, key)`` says whether ``key`` (Z85) is the key of
+        the pool member ``name`` of a pool whose members attach here; such a key gets in under that name."""
         self.address = ""
         self._auth: AsyncioAuthenticator | None = None
         self.refused: list[bytes] = []
@@ -369,7 +379,7 @@ class ZmqServer(_Endpoint):
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP credentials check (CurveZMQ): only configured client keys get in."""
-        ok = self.clients is not None and key in self.clients
+        ok = self.clients is not None and (key in self.clients or self.members is not None)
         if not ok:
             if len(self.refused) < 1000:
                 self.refused.append(key)
@@ -454,15 +464,23 @@ class ZmqServer(_Endpoint):
             self._drop(source, e.reason, peer=None if known is None else known.peer)
             return
         key_name = None
+        key = b""
         if self.clients is not None:
             try:
                 uid = frames[0].get("User-Id")
-                key_name = self.clients.get(uid.encode()) if isinstance(uid, str) else None
+                key = uid.encode() if isinstance(uid, str) else b""
             except (zmq.ZMQError, UnicodeError):
-                key_name = None
-            if key_name is None:  # ZAP let it in, so this cannot happen short of a bug
-                self._drop(source, "a frame with no known CurveZMQ key")
-                return
+                key = b""
+            key_name = self.clients.get(key)
+            if key_name is None:
+                # a pool member's key (the name it claims must be the one its key decides); else ZAP let
+                # in no such key, so this cannot happen short of a bug
+                claimed = link.n if isinstance(link, LinkBeat) else getattr(self._routes.get(route), "peer", None)
+                if self.members is not None and key and claimed is not None and self.members(claimed, key):
+                    key_name = claimed
+                else:
+                    self._drop(source, "a frame from a CurveZMQ key that is no node's nor that pool member's")
+                    return
         now = self.clock.now()
         if isinstance(link, LinkBeat):
             claimed = link.n
@@ -574,6 +592,7 @@ class ZmqTransport:
         cfg: LinkConfig | None = None,
         bind: str | None = None,
         keys: NodeKeys | None = None,
+        members: Callable[[str, bytes], bool] | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.node_id = node_id
@@ -583,7 +602,17 @@ class ZmqTransport:
         curve = self.keys.curve
         clients = {k: n for n, k in self.keys.public.items()} if curve is not None else None
         self.server = (
-            ZmqServer(node_id, bind, cfg=self.cfg, curve=curve, clients=clients, clock=self.clock) if bind else None
+            ZmqServer(
+                node_id,
+                bind,
+                cfg=self.cfg,
+                curve=curve,
+                clients=clients,
+                members=members if curve is not None else None,
+                clock=self.clock,
+            )
+            if bind
+            else None
         )
         self.clients: dict[str, ZmqClient] = {}
         self.address = ""

@@ -10,6 +10,9 @@ A topology that uses keys names them in two ways, which may be mixed:
 * per node, ``public_key`` (Z85) and ``secret_key_file``; and ``keys.signing_key`` (hex)
   for the trainer's public signing key.
 
+Each pool's key pair is ``POOL.pool``/``POOL.pool_pub`` in ``keys.dir`` (or ``pools[].key`` inline);
+its members' credentials are `aurora.auth.pool`'s.
+
 Invariants: a secret key file is created with mode 0600 before its first byte is written
 (`write_secret`), appears whole or not at all, and is never overwritten (`aurora.store.atomic.
 create_new`); every error names the file or the topology field.
@@ -150,6 +153,15 @@ def load_node_keys(topo: Topology, name: str, file: str | None) -> NodeKeys:
         if signer.public_key().public_bytes_raw() != verifier.public_bytes_raw():
             raise ConfigError(f"{sign_path} does not match the trainer's public signing key", file=file, path="keys")
     return NodeKeys(CurveKeys(pub, sec), public, signer, verifier)
+
+
+def load_member_keys(topo: Topology, file: str | None, name: str, curve: CurveKeys) -> NodeKeys:
+    """The keys pool member ``name`` runs with: its own pair (from its credential), every named node's
+    public key, and the trainer's public signing key."""
+    d = key_dir(topo, file)
+    public = {n.name: _public_of(topo, n.name, d, file) for n in topo.nodes if n.name != name}
+    public[name] = curve.public
+    return NodeKeys(curve, public, None, _signing_public(topo, d, file))
 
 
 def load_client_keys(topo: Topology, file: str | None, as_node: str | None) -> tuple[NodeKeys, str | None]:
@@ -306,9 +318,10 @@ def generate_curve_pair(d: Path, name: str) -> tuple[Path, Path, bytes]:
     return pub_path, sec_path, keys.public
 
 
-def generate_signing_pair(d: Path, name: str) -> tuple[Path, Path, str]:
-    """Write ``NAME.sign`` (PEM, 0600) and ``NAME.sign_pub`` (hex) in ``d``; refuses existing files."""
-    sec_path, pub_path = d / f"{name}.sign", d / f"{name}.sign_pub"
+def generate_signing_pair(d: Path, name: str, kind: str = "sign") -> tuple[Path, Path, str]:
+    """Write ``NAME.KIND`` (PEM, 0600) and ``NAME.KIND_pub`` (hex) in ``d`` (``sign``: the trainer's;
+    ``pool``: a pool's); refuses existing files."""
+    sec_path, pub_path = d / f"{name}.{kind}", d / f"{name}.{kind}_pub"
     for f in (pub_path, sec_path):
         if f.exists():
             raise FileExistsError(f"{f} exists; refusing to overwrite a key")
@@ -346,3 +359,12 @@ def generate_topology_keys(topo: Topology, file: str | None) -> Iterator[tuple[P
     else:
         sign, sign_pub, _ = generate_signing_pair(d, t)
         yield from ((sign, True), (sign_pub, True))
+    for pool in topo.pools:  # each pool's key, which certifies its members (`aurora.auth.pool`)
+        if pool.key is not None:
+            continue
+        sec, pub = d / f"{pool.name}.pool", d / f"{pool.name}.pool_pub"
+        if sec.exists() or pub.exists():
+            yield from ((p, False) for p in (sec, pub) if p.exists())
+        else:
+            generate_signing_pair(d, pool.name, "pool")
+            yield from ((sec, True), (pub, True))

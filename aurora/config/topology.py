@@ -11,7 +11,9 @@ checks what spans objects, each error naming the path of the offending field:
 * fallback parents exist, are trainers or relays, and are not the node itself;
 * a node that is (or may become) a parent has a ``listen`` address, and no two
   nodes listen on the same address;
-* CurveZMQ keys are given for every node or for none; a WebRTC rendezvous exists.
+* CurveZMQ keys are given for every node or for none; a WebRTC rendezvous exists;
+* a pool's name is no node's, its parents are the trainer or relays, it has keys (and a pool key),
+  and no node's name looks like one of its members'.
 
 `aurora.config.plan` then turns ``parent: auto`` into a tree.
 """
@@ -40,7 +42,7 @@ from aurora.config.rl import (
 from aurora.config.strict import convert
 from aurora.errors import ConfigError
 from aurora.protocol.liveness import timing_problem
-from aurora.protocol.messages import NAME_PATTERN
+from aurora.protocol.messages import NAME_PATTERN, POOL_NAME_PATTERN
 
 Role = Literal["trainer", "relay", "rollout"]
 AUTO = "auto"
@@ -223,6 +225,43 @@ class KeysSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSpec:
+    """An elastic pool of rollout workers (`aurora.auth.pool`): machines that hold a credential certified
+    by the pool's key join and leave at any time, under names their keys decide."""
+
+    name: str
+    parents: tuple[str, ...]
+    """Where members attach, in order (the first is each member's planned parent, the rest its fallbacks):
+    the trainer or relays, each with a ``listen`` address."""
+    max_size: int
+    """Members at most at once, across all of its parents (the trainer admits each one)."""
+    region: str | None = None
+    """The members' region (default: the first parent's)."""
+    key: str | None = None
+    """The pool's Ed25519 public key (64 hex digits), instead of ``POOL.pool_pub`` in ``keys.dir``."""
+    revoked: tuple[str, ...] = ()
+    """Member names (``POOL.xxxxxxxxxxxxxxxx``) refused however valid their credential (the parents read
+    this at start)."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(POOL_NAME_PATTERN, self.name):
+            raise ConfigError(
+                f"pool name {self.name!r} must be letters, digits, '-' or '_' (at most 40, starting with a "
+                "letter or digit)",
+                path="name",
+            )
+        if not self.parents:
+            raise ConfigError("a pool needs at least one parent", path="parents")
+        if len(set(self.parents)) != len(self.parents):
+            raise ConfigError("a parent is named twice", path="parents")
+        if not 1 <= self.max_size <= 4096:
+            raise ConfigError("must be 1..4096", path="max_size")
+        for i, m in enumerate(self.revoked):
+            if not re.fullmatch(re.escape(self.name) + r"\.[0-9a-f]{16}", m):
+                raise ConfigError(f"{m!r} is not a member name of pool {self.name!r}", path=f"revoked[{i}]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoleCounts:
     """A count for each role."""
 
@@ -279,6 +318,8 @@ class Topology:
     """CurveZMQ and signing keys (see also each node's ``public_key``/``secret_key_file``); None: no keys."""
     deploy: DeploySpec = field(default_factory=DeploySpec)
     """Images and GPUs for `aurora deploy`."""
+    pools: tuple[PoolSpec, ...] = ()
+    """Elastic pools of rollout workers besides the named nodes (they need keys)."""
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
@@ -289,6 +330,15 @@ class Topology:
     @property
     def trainer(self) -> NodeSpec:
         return next(n for n in self.nodes if n.role == "trainer")
+
+    def pool(self, name: str) -> PoolSpec:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def pool_region(self, pool: PoolSpec) -> str:
+        return pool.region or self.node(pool.parents[0]).region
 
     def region(self, name: str) -> Region:
         return next(r for r in self.regions if r.name == name)
@@ -396,12 +446,39 @@ def check(t: Topology, file: str | None = None) -> None:
             f"nodes[{missing}].public_key",
             "CurveZMQ keys are set for some nodes: set them for every node (or name a keys.dir that holds them)",
         )
+    _check_pools(t, index, fail)
     if keyed and t.keys is None:
         raise fail(
             "keys",
             "CurveZMQ keys need the trainer's signing key too: set keys.dir or keys.signing_key "
             "(`aurora keys generate --topology` writes a key directory)",
         )
+
+
+def _check_pools(t: Topology, index: dict[str, int], fail: Any) -> None:
+    _unique([p.name for p in t.pools], "pools", "name", fail)
+    regions = {r.name for r in t.regions}
+    for i, pool in enumerate(t.pools):
+        if pool.name in index:
+            raise fail(f"pools[{i}].name", f"{pool.name!r} is also the name of nodes[{index[pool.name]}]")
+        for j, p in enumerate(pool.parents):
+            if p not in index:
+                raise fail(f"pools[{i}].parents[{j}]", f"no node named {p!r}")
+            if t.nodes[index[p]].role == "rollout":
+                raise fail(f"pools[{i}].parents[{j}]", f"{p!r} is a rollout; members attach to the trainer or a relay")
+        if pool.region is not None and pool.region not in regions:
+            raise fail(f"pools[{i}].region", f"no region named {pool.region!r}")
+        if t.keys is None:
+            raise fail(
+                f"pools[{i}]",
+                "a pool needs keys: its members are known by their certified CurveZMQ keys "
+                "(set keys.dir; `aurora keys generate --topology` makes them)",
+            )
+        if pool.key is None and t.keys.dir is None:
+            raise fail(f"pools[{i}].key", "no pool key: set pools[].key or keys.dir (which holds POOL.pool_pub)")
+        for n in t.nodes:
+            if n.name.startswith(pool.name + "."):
+                raise fail(f"nodes[{index[n.name]}].name", f"{n.name!r} looks like a member of pool {pool.name!r}")
 
 
 def _unique(values: list[str], section: str, key: str, fail: Any) -> None:

@@ -4,9 +4,10 @@ Three pieces, none of which reads a clock, opens a socket or logs (``now`` comes
 argument; the `aurora.actors.node` driver does the I/O and logs the events returned here):
 
 * `TreeRules` — what the topology allows, from the planned parents, the fallbacks and the
-  roles: a node may attach under its planned parent or one of its fallbacks, nowhere else;
+  roles: a node may attach under its planned parent or one of its fallbacks, nowhere else, and a
+  pool member (`aurora.protocol.roster.member_pool`) under its pool's parents;
   the nodes that may be in a child's subtree are the ones it may speak for (a rollout only
-  for itself, a relay for every node that may be below it).
+  for itself, a relay for every node that may be below it, pool members included).
 * `Place` — one node's place in the tree: its path from the trainer (None while detached;
   the trainer's is empty), and the parents it holds in quarantine. It answers a child's
   hello with the message the child is sent: `PathUpdate` (this node's path and itself), or
@@ -56,6 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from aurora.protocol.messages import PathUpdate, Refused
+from aurora.protocol.roster import member_pool
 
 RETRY_PAUSE_S = 0.5
 """Between leaving one parent and dialling the next: a parent that refuses, or a network that is
@@ -82,16 +84,32 @@ class TreeRules:
     (``parent``: None for the trainer), ``fallbacks`` and ``roles``."""
 
     def __init__(
-        self, parent: Mapping[str, str | None], fallbacks: Mapping[str, Sequence[str]], roles: Mapping[str, str]
+        self,
+        parent: Mapping[str, str | None],
+        fallbacks: Mapping[str, Sequence[str]],
+        roles: Mapping[str, str],
+        pools: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.parent = dict(parent)
         self.fallbacks = {n: tuple(f) for n, f in fallbacks.items()}
         self.roles = dict(roles)
+        self.pools = {p: tuple(ps) for p, ps in (pools or {}).items()}
+        """Each elastic pool's parents: its members (`member_pool` names) are rollouts that may attach under them."""
         under: dict[str, set[str]] = {n: set() for n in self.parent}
         for child in self.parent:
             for q in self.order(child):
                 under.setdefault(q, set()).add(child)
         self._under = {n: frozenset(c) for n, c in under.items()}
+        self._pools_under = {n: frozenset(p for p, ps in self.pools.items() if n in ps) for n in self.parent}
+        """The pools whose members may attach directly under each node."""
+
+    def pool_of(self, node: str) -> str | None:
+        """The pool ``node`` is a member of (None: a named node, or no one)."""
+        return None if node in self.parent else member_pool(node, self.pools)
+
+    def role(self, node: str) -> str | None:
+        """A named node's role; ``rollout`` for a pool member; None for a name that is neither."""
+        return self.roles.get(node) or ("rollout" if self.pool_of(node) is not None else None)
 
     def order(self, node: str) -> tuple[str, ...]:
         """The parents ``node`` tries, in order: the planned one, then its fallbacks (none: the trainer)."""
@@ -103,10 +121,11 @@ class TreeRules:
         return self._under.get(parent, frozenset())
 
     def may_attach(self, child: str, parent: str) -> bool:
-        return child in self.allowed_under(parent)
+        pool = self.pool_of(child)
+        return child in self.allowed_under(parent) if pool is None else parent in self.pools[pool]
 
     def subtree(self, node: str) -> frozenset[str]:
-        """The nodes that may ever be below ``node`` (not itself, unless round a cycle of fallbacks)."""
+        """The named nodes that may ever be below ``node`` (not itself, unless round a cycle of fallbacks)."""
         seen: set[str] = set()
         todo = [node]
         while todo:
@@ -115,6 +134,10 @@ class TreeRules:
                     seen.add(c)
                     todo.append(c)
         return frozenset(seen)
+
+    def pools_below(self, node: str) -> frozenset[str]:
+        """The pools whose members may ever be below ``node`` (under it, or under a node of its subtree)."""
+        return frozenset().union(*(self._pools_under.get(n, ()) for n in (node, *self.subtree(node))))
 
 
 class Place:
@@ -128,8 +151,9 @@ class Place:
         """The planned parent (None: the trainer)."""
         self.path: tuple[str, ...] | None = () if rules.roles.get(name) == "trainer" else None
         self.children_allowed = rules.allowed_under(name)
-        """The nodes that may attach here."""
+        """The named nodes that may attach here (and members of the pools whose parents include it)."""
         self._below = {c: rules.subtree(c) for c in self.children_allowed}
+        self._pools_below = {c: rules.pools_below(c) for c in self.children_allowed}
         self.failed: dict[str, float] = {}
         """Parents whose stream failed, and when: quarantined for `QUARANTINE_S`."""
 
@@ -144,7 +168,7 @@ class Place:
 
     def hello(self, child: str) -> PathUpdate | Refused:
         """What a child that says hello (or probes) is answered: this node's path for it, or a refusal."""
-        if child not in self.children_allowed:
+        if not self.rules.may_attach(child, self.name):
             return Refused(reason=NOT_ALLOWED.format(child=child, parent=self.name))
         if self.path is None:
             return Refused(reason=DETACHED_HERE)
@@ -154,16 +178,21 @@ class Place:
 
     def may_signal(self, child: str) -> bool:
         """May ``child`` set up a WebRTC channel here (it may attach here)?"""
-        return child in self.children_allowed
+        return self.rules.may_attach(child, self.name)
 
     def speaks_for(self, child: str, origin: str) -> bool:
-        """May ``child`` send messages on behalf of node ``origin``? A rollout only for itself, a relay
-        for the nodes that may be below it."""
-        return origin == child or (self.rules.roles.get(child) == "relay" and origin in self._below.get(child, ()))
+        """May ``child`` send messages on behalf of node ``origin``? A rollout (a pool member too) only
+        for itself, a relay for the nodes that may be below it (the members of pools below it too)."""
+        if origin == child:
+            return True
+        if self.rules.roles.get(child) != "relay":
+            return False
+        pool = self.rules.pool_of(origin)
+        return origin in self._below.get(child, ()) if pool is None else pool in self._pools_below.get(child, ())
 
     def speaks_for_worker(self, child: str, worker: str) -> bool:
         """May ``child`` send work messages for ``worker`` (a rollout it speaks for)?"""
-        return self.speaks_for(child, worker) and self.rules.roles.get(worker) == "rollout"
+        return self.speaks_for(child, worker) and self.rules.role(worker) == "rollout"
 
     def moved(self, path: Sequence[str] | None) -> PathUpdate | None:
         """This node's path is now ``path`` (None: detached); returns what each child is told."""

@@ -66,6 +66,8 @@ MAX_STATS = 64
 MAX_NODES = 4096
 """Nodes a status snapshot describes."""
 MAX_PROBE_BUFFERS = 8
+POOL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$"
+"""Pool names: as node names, without ``.`` and at most 40 (a member is ``POOL.`` and 16 hex digits)."""
 
 U32 = Annotated[int, Meta(ge=0, lt=2**32)]
 Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
@@ -131,12 +133,24 @@ LinkFrame = LinkData | LinkCredit | LinkBeat | LinkClose
 
 
 # ------------------------------------------------------------------ membership and the version stream
+class MemberCert(Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
+    """A pool member's certificate (`aurora.auth.pool`): the pool's Ed25519 signature ``sig`` over the
+    pool, the member's CurveZMQ public ``key`` (Z85) and its expiry ``expires`` (Unix seconds)."""
+
+    pool: Annotated[str, Meta(pattern=POOL_NAME_PATTERN)]
+    key: Annotated[bytes, Meta(min_length=40, max_length=40)]
+    expires: Count
+    sig: Annotated[bytes, Meta(min_length=64, max_length=64)]
+
+
 class Hello(_Msg, tag="hello"):
     """A child's first message on a new channel to its parent: the version it holds. A ``probe``
-    only asks whether the parent would take it (answered with its path or a refusal, then closed)."""
+    only asks whether the parent would take it (answered with its path or a refusal, then closed).
+    A pool member shows its ``cert``."""
 
     v: Version | None
     probe: bool = False
+    cert: MemberCert | None = None
 
 
 class StatusQuery(_Msg, tag="status?"):
@@ -250,6 +264,11 @@ class Snapshot(Struct, forbid_unknown_fields=True, frozen=True):
     step: Annotated[dict[StatKey, Stat], Meta(max_length=MAX_STATS)]
     planned: Annotated[dict[Name, Name], Meta(max_length=MAX_NODES)] = {}
     """Each node's planned parent."""
+    pools: Annotated[
+        dict[Annotated[str, Meta(pattern=POOL_NAME_PATTERN)], Annotated[list[Name], Meta(max_length=MAX_NODES)]],
+        Meta(max_length=MAX_STATS),
+    ] = {}
+    """Each pool's members (those the trainer has admitted)."""
 
 
 class StatusSnapshot(_Msg, tag="status_snapshot"):
@@ -321,6 +340,20 @@ class Result(_Msg, tag="result"):
 class Verdict(_Msg, tag="verdict"):
     w: Name
     item: Count
+    ok: bool
+    reason: Reason | None = None
+
+
+class Join(_Msg, tag="join"):
+    """Pool member ``w`` (its certificate checked by the parent it said hello to) asks the trainer for a place."""
+
+    w: Name
+
+
+class Admitted(_Msg, tag="admitted"):
+    """The trainer's answer to a `Join`: a place in the pool (``ok``), or the ``reason`` there is none."""
+
+    w: Name
     ok: bool
     reason: Reason | None = None
 
@@ -428,6 +461,8 @@ AppMessage = Union[  # noqa: UP007  (msgspec needs the Union for a tagged decode
     Renewed,
     Result,
     Verdict,
+    Join,
+    Admitted,
     RtcOffer,
     RtcAnswer,
     RtcRefused,
@@ -439,9 +474,9 @@ AppMessage = Union[  # noqa: UP007  (msgspec needs the Union for a tagged decode
     BulkEnd,
     Probe,
 ]
-UP = (Want, Renew, Result)
+UP = (Want, Renew, Result, Join)
 """Work messages that travel up, towards the trainer."""
-DOWN = (Grant, Renewed, Verdict)
+DOWN = (Grant, Renewed, Verdict, Admitted)
 """Work messages that travel down, towards a worker."""
 
 BUFFER_LIMITS: dict[type[_Msg], tuple[int, ...]] = {
@@ -539,6 +574,7 @@ __all__ = [
     "BUFFER_LIMITS",
     "DOWN",
     "UP",
+    "Admitted",
     "AppMessage",
     "BadMessage",
     "DeltaChunk",
@@ -548,6 +584,7 @@ __all__ = [
     "Have",
     "Held",
     "Hello",
+    "Join",
     "LeaseGrant",
     "LeaseRenewal",
     "LinkBeat",
@@ -555,6 +592,7 @@ __all__ = [
     "LinkCredit",
     "LinkData",
     "LinkFrame",
+    "MemberCert",
     "NodeReport",
     "PathUpdate",
     "Probe",

@@ -1,0 +1,222 @@
+"""Elastic pools' keys and credentials: who may join a pool, and the name its key decides.
+
+A pool (`aurora.config.topology.PoolSpec`) admits rollout workers that the topology does not name.
+Its Ed25519 key pair — ``keys.dir/POOL.pool`` (secret, PEM, 0600) and ``POOL.pool_pub`` (hex), or
+``pools[].key`` inline — certifies members: `enroll` (``aurora keys enroll --pool P``) makes a member's
+own CurveZMQ key pair and a `MemberCert` (the pool, the member's public key, an expiry in Unix
+seconds) signed by the pool's key, and `write_credential` puts both in one credential file (JSON,
+mode 0600, written whole or not at all, never over an existing file).
+
+Who a member is: `member_name` — ``POOL.`` and 16 hex digits of BLAKE2b of its CurveZMQ public key.
+A parent's transport lets an unknown key in only under the member name that key hashes to (the
+``members`` rule of `aurora.transport.zmq.ZmqServer`), so a member is known by its key and speaks for
+no one else. The parent takes its `Hello` only with a certificate that `check_cert` passes: of that
+key, for this pool, signed by the pool's key, not expired and not revoked, at a parent the pool
+names; then the trainer gives it a place (`aurora.protocol.roster.PoolRoster`). Every error names
+the file or the topology field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from aurora.auth.keys import (
+    CurveKeys,
+    _public_from_hex,
+    key_dir,
+    private_mode_problem,
+    read_signing_secret,
+    write_secret,
+)
+from aurora.config.topology import PoolSpec, Topology
+from aurora.errors import ConfigError
+from aurora.protocol.messages import MemberCert
+from aurora.protocol.roster import MEMBER_HASH_HEX, member_pool
+
+CREDENTIAL_FORMAT = "aurora-pool-credential/1"
+_SIGNED = b"aurora pool member v1\x00"
+"""Domain separation: a pool key's signature over a member certificate means nothing else."""
+MAX_CREDENTIAL_BYTES = 4096
+
+
+def member_name(pool: str, key: bytes) -> str:
+    """The name of the member of ``pool`` whose CurveZMQ public key (Z85) is ``key``."""
+    return f"{pool}.{hashlib.blake2b(key, digest_size=MEMBER_HASH_HEX // 2).hexdigest()}"
+
+
+def _signed_bytes(pool: str, key: bytes, expires: int) -> bytes:
+    return _SIGNED + pool.encode() + b"\x00" + key + b"\x00" + expires.to_bytes(8, "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """What a member holds: its CurveZMQ pair and its certificate."""
+
+    topology: str
+    curve: CurveKeys
+    cert: MemberCert
+
+    @property
+    def name(self) -> str:
+        return member_name(self.cert.pool, self.curve.public)
+
+
+# ------------------------------------------------------------------ the pool's key
+def pool_key_paths(topo: Topology, file: str | None, pool: str) -> tuple[Path, Path]:
+    """``POOL.pool`` (secret) and ``POOL.pool_pub`` in the key directory."""
+    d = key_dir(topo, file)
+    if d is None:
+        raise ConfigError("the topology names no key directory (keys: {dir: ...})", file=file, path="keys.dir")
+    return d / f"{pool}.pool", d / f"{pool}.pool_pub"
+
+
+def pool_verifiers(topo: Topology, file: str | None) -> dict[str, Ed25519PublicKey]:
+    """Every pool's public key (inline ``pools[].key``, else ``keys.dir/POOL.pool_pub``)."""
+    out = {}
+    for i, p in enumerate(topo.pools):
+        if p.key is not None:
+            out[p.name] = _public_from_hex(p.key, file, f"pools[{i}].key")
+            continue
+        _, pub = pool_key_paths(topo, file, p.name)
+        try:
+            text = pub.read_text().strip()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read pool {p.name!r}'s public key {pub}: {e.strerror} "
+                "(make it with `aurora keys generate --topology`)",
+                file=file,
+                path=f"pools[{i}]",
+            ) from None
+        out[p.name] = _public_from_hex(text, str(pub), "")
+    return out
+
+
+# ------------------------------------------------------------------ credentials
+def enroll(topo: Topology, file: str | None, pool: str, ttl_s: float, now: float) -> Credential:
+    """A new member of ``pool``: a fresh CurveZMQ pair certified by the pool's secret key until ``now + ttl_s``."""
+    spec = _pool(topo, pool, file)
+    if not 0 < ttl_s <= 10 * 365 * 86400:
+        raise ConfigError(f"a credential's lifetime must be positive and at most ten years, not {ttl_s} s")
+    sec, _ = pool_key_paths(topo, file, spec.name)
+    signer = read_signing_secret(sec, file)
+    verifier = pool_verifiers(topo, file)[spec.name]
+    if signer.public_key().public_bytes_raw() != verifier.public_bytes_raw():
+        raise ConfigError(f"{sec} does not match pool {pool!r}'s public key", file=file, path="pools")
+    curve = CurveKeys.generate()
+    expires = int(now + ttl_s)
+    sig = signer.sign(_signed_bytes(spec.name, curve.public, expires))
+    return Credential(topo.name, curve, MemberCert(pool=spec.name, key=curve.public, expires=expires, sig=sig))
+
+
+def write_credential(path: Path, cred: Credential) -> None:
+    """The credential file (0600; refuses an existing file)."""
+    doc = {
+        "format": CREDENTIAL_FORMAT,
+        "topology": cred.topology,
+        "pool": cred.cert.pool,
+        "member": cred.name,
+        "public_key": cred.curve.public.decode(),
+        "secret_key": cred.curve.secret.decode(),
+        "expires_at": cred.cert.expires,
+        "signature": cred.cert.sig.hex(),
+    }
+    write_secret(path, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def read_credential(path: Path) -> Credential:
+    """A credential file; raises `ConfigError` naming the file and what is wrong with it."""
+    problem = private_mode_problem(path)
+    if problem is not None:
+        raise ConfigError(problem, file=str(path))
+    try:
+        raw = path.read_bytes()[: MAX_CREDENTIAL_BYTES + 1]
+    except OSError as e:
+        raise ConfigError(f"cannot read the credential: {e.strerror}", file=str(path)) from None
+    try:
+        if len(raw) > MAX_CREDENTIAL_BYTES:
+            raise ValueError(f"more than {MAX_CREDENTIAL_BYTES} bytes")
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != CREDENTIAL_FORMAT:
+            raise ValueError(f"not a {CREDENTIAL_FORMAT} file")
+        curve = CurveKeys(_z85(doc["public_key"]), _z85(doc["secret_key"]))
+        cert = MemberCert(
+            pool=str(doc["pool"]),
+            key=curve.public,
+            expires=int(doc["expires_at"]),
+            sig=bytes.fromhex(str(doc["signature"])),
+        )
+        topology = str(doc["topology"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"not a pool credential: {e}", file=str(path)) from None
+    return Credential(topology, curve, cert)
+
+
+def _z85(v: object) -> bytes:
+    if not isinstance(v, str) or len(v) != 40:
+        raise ValueError("a key is 40 Z85 characters")
+    return v.encode()
+
+
+def _pool(topo: Topology, pool: str, file: str | None) -> PoolSpec:
+    try:
+        return topo.pool(pool)
+    except KeyError:
+        names = ", ".join(p.name for p in topo.pools) or "none"
+        raise ConfigError(f"no pool named {pool!r} (pools: {names})", file=file, path="pools") from None
+
+
+def check_credential(topo: Topology, file: str | None, cred: Credential, now: float) -> PoolSpec:
+    """What a member checks of its own credential before it starts (the parents check it again)."""
+    spec = _pool(topo, cred.cert.pool, file)
+    if cred.topology != topo.name:
+        raise ConfigError(f"the credential is for topology {cred.topology!r}, not {topo.name!r}", file=file)
+    why = check_cert(cred.cert, cred.name, spec.parents[0], {spec.name: spec}, pool_verifiers(topo, file), now)
+    if why is not None:
+        raise ConfigError(f"the credential {why}", file=file, path=f"pools[{topo.pools.index(spec)}]")
+    return spec
+
+
+def check_cert(
+    cert: MemberCert,
+    member: str,
+    parent: str,
+    pools: Mapping[str, PoolSpec],
+    verifiers: Mapping[str, Ed25519PublicKey],
+    now: float,
+) -> str | None:
+    """Why ``member``'s certificate does not let it attach under ``parent`` at ``now`` (None: it does)."""
+    spec = pools.get(cert.pool)
+    if spec is None or member_pool(member, pools) != cert.pool:
+        return f"is for pool {cert.pool!r}, which {member!r} is no member of here"
+    if member_name(cert.pool, cert.key) != member:
+        return f"is of another key than {member!r}'s"
+    if parent not in spec.parents:
+        return f"is for pool {cert.pool!r}, whose members do not attach to {parent!r}"
+    try:
+        verifiers[cert.pool].verify(cert.sig, _signed_bytes(cert.pool, cert.key, cert.expires))
+    except (InvalidSignature, KeyError):
+        return f"is not signed by pool {cert.pool!r}'s key"
+    if cert.expires <= now:
+        return f"expired {now - cert.expires:.0f} s ago"
+    if member in spec.revoked:
+        return f"of {member!r} is revoked (pools[].revoked)"
+    return None
+
+
+__all__ = [
+    "Credential",
+    "check_cert",
+    "check_credential",
+    "enroll",
+    "member_name",
+    "pool_verifiers",
+    "read_credential",
+    "write_credential",
+]
