@@ -318,7 +318,8 @@ class Node:
         had = self.roster.holds(member)
         why = self.roster.join(member, now)
         if why is not None:
-            log.warning(POOL_MEMBER_REFUSED, member=member, reason=why)
+            if (suppressed := _quiet.allow(f"member/{member}", now)) is not None:
+                log.warning(POOL_MEMBER_REFUSED, member=member, reason=why, suppressed=suppressed)
         elif not had:
             log.info(POOL_MEMBER_JOINED, member=member, pool=self.roster.pool_of(member), members=self.roster.members())
         return why

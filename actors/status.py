@@ -126,7 +126,7 @@ class ClusterStatus:
 
 
 def render(snap: Snapshot) -> str:
-    """One screenful: the trainer's line, then one line per node."""
+    """One screenful: the trainer's line, then one line per node (pool members too), then each pool's members."""
     t = snap.trainer
     syncs = list(snap.sync_s.values())
     rej = sum(t.rejected.values())
@@ -166,6 +166,10 @@ def render(snap: Snapshot) -> str:
         if r.age_s > 3 * STATUS_EVERY_S:
             parts.append(f"(silent {r.age_s:.0f} s)")
         lines.append("  ".join(parts))
+    for pool, members in sorted(snap.pools.items()):
+        lines.append(
+            f"pool {pool}: {len(members)} member{'' if len(members) == 1 else 's'}  {' '.join(members)}".rstrip()
+        )
     return "\n".join(lines)
 
 

@@ -842,6 +842,12 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
         f"(tree depth {tree.depth()})"
     )
     print(_keys_line(topo, str(args.topology)))
+    for pool in topo.pools:
+        print(
+            f"pool {pool.name}: up to {pool.max_size} rollout members under {', '.join(pool.parents)} "
+            f"(region {topo.pool_region(pool)}; credentials: aurora keys enroll --topology {args.topology} "
+            f"--pool {pool.name} -o FILE)"
+        )
     try:
         task = _task_line(topo)
     except ConfigError as e:
@@ -879,10 +885,13 @@ def _keys_line(topo: Any, file: str) -> str:
     if d is None:
         return "keys: inline public keys (each node needs its secret_key_file)"
     want = [f"{n.name}.key" for n in topo.nodes] + [f"{topo.trainer.name}.sign_pub"]
+    want += [f"{p.name}.pool_pub" for p in topo.pools if p.key is None]
     missing = [w for w in want if not (d / w).exists()]
     if missing:
         return f"keys: {d} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (aurora keys generate --topology)"
-    return f"keys: {d} holds every node's public key and the trainer's signing key"
+    return f"keys: {d} holds every node's public key and the trainer's signing key" + (
+        " and every pool's key" if topo.pools else ""
+    )
 
 
 def cmd_node(args: argparse.Namespace) -> int:
