@@ -67,11 +67,13 @@ def topo_file(tmp_path: Path) -> Path:
 def test_the_roster_refuses_past_the_maximum_and_frees_a_silent_members_place() -> None:
     r = PoolRoster({"spot": 2}, hold_s=3.0)
     a, b, c = (member_name("spot", CurveKeys.generate().public) for _ in range(3))
-    assert r.join(a, 0.0) is None and r.join(b, 0.5) is None
+    assert r.join(a, 0.0) is None
+    assert r.join(b, 0.5) is None
     assert r.join(c, 1.0) == "pool 'spot' is full (2 of 2 members)"
     assert r.join(a, 1.0) is None  # a member that says hello again keeps its one place
     assert r.seen(b, 2.0)
-    assert r.prune(3.9) == [] and r.prune(4.1) == [a]  # a last heard at 1.0, b at 2.0
+    assert r.prune(3.9) == []
+    assert r.prune(4.1) == [a]
     assert r.join(c, 4.2) is None
     assert r.members() == {"spot": sorted([b, c])}
     assert r.join("rollout-1", 4.3) == "'rollout-1' is no pool's member"
@@ -104,7 +106,8 @@ def test_member_names_are_the_pools_with_sixteen_hex_digits() -> None:
     key = CurveKeys.generate().public
     name = member_name("spot", key)
     assert member_pool(name, {"spot": 1}) == "spot"
-    assert member_name("spot", key) == name and member_name("spot", CurveKeys.generate().public) != name
+    assert member_name("spot", key) == name
+    assert member_name("spot", CurveKeys.generate().public) != name
     for bad in ("spot", "spot.", "spot.0123", "spot.0123456789ABCDEF", "other.0123456789abcdef", "rollout-1"):
         assert member_pool(bad, {"spot": 1}) is None, bad
 
@@ -139,7 +142,8 @@ def test_a_revoked_member_is_refused(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace("max_size: 2}", f"max_size: 2, revoked: [{cred.name}]}}"))
     topo = load_topology(path)
     why = check_cert(cred.cert, cred.name, "relay", {"spot": topo.pool("spot")}, pool_verifiers(topo, str(path)), NOW)
-    assert why is not None and "revoked" in why
+    assert why is not None
+    assert "revoked" in why
 
 
 def test_a_credential_file_is_private_whole_and_never_overwritten(topo_file: Path, tmp_path: Path) -> None:
@@ -149,7 +153,8 @@ def test_a_credential_file_is_private_whole_and_never_overwritten(topo_file: Pat
     write_credential(f, cred)
     assert os.stat(f).st_mode & 0o777 == 0o600
     back = read_credential(f)
-    assert back == cred and back.name == cred.name == json.loads(f.read_text())["member"]
+    assert back == cred
+    assert back.name == cred.name == json.loads(f.read_text())["member"]
     with pytest.raises(FileExistsError):
         write_credential(f, cred)
     with pytest.raises(ConfigError, match="expired"):
@@ -209,13 +214,18 @@ def test_members_attach_under_their_pools_parents_and_relays_speak_for_the_pools
         {"spot": ("deep",), "near": ("trainer",)},
     )
     m, n = "spot.0123456789abcdef", "near.0123456789abcdef"
-    assert rules.may_attach(m, "deep") and not rules.may_attach(m, "relay") and not rules.may_attach(m, "trainer")
-    assert rules.role(m) == "rollout" and rules.role("spot.xyz") is None
+    assert rules.may_attach(m, "deep")
+    assert not rules.may_attach(m, "relay")
+    assert not rules.may_attach(m, "trainer")
+    assert rules.role(m) == "rollout"
+    assert rules.role("spot.xyz") is None
     trainer, relay = Place("trainer", rules), Place("relay", rules)
     assert trainer.speaks_for_worker("relay", m)  # spot's parent is below relay
     assert not trainer.speaks_for_worker("relay", n)  # near's members attach to the trainer itself
-    assert relay.speaks_for_worker("deep", m) and not relay.speaks_for_worker("r1", m)
-    assert trainer.speaks_for_worker(n, n) and not trainer.speaks_for(n, m)
+    assert relay.speaks_for_worker("deep", m)
+    assert not relay.speaks_for_worker("r1", m)
+    assert trainer.speaks_for_worker(n, n)
+    assert not trainer.speaks_for(n, m)
     relay.moved(["trainer"])
     assert isinstance(relay.hello(m), Refused)  # not a parent of spot
     deep = Place("deep", rules)

@@ -1,0 +1,192 @@
+"""An elastic pool with real `aurora node` processes over CurveZMQ on loopback.
+
+Two members join mid-run; a third finds the pool full and is refused; one member is killed with
+SIGKILL, its place frees and the third, with its fresh credential, takes it and gets work. A key
+with no certificate, one whose certificate another key signed, and an expired credential are
+refused at the hello by the running parent. `aurora status` lists the members. The run completes:
+no prompt accepted twice, versions in order, and every node that stayed — the members too — ends
+on the trainer's last version, bit-identical (`aurora.chaos.check` over every log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq.auth
+from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
+
+from aurora.auth.keys import NodeKeys, generate_topology_keys
+from aurora.auth.pool import Credential, enroll, member_name, write_credential
+from aurora.chaos.check import check
+from aurora.config.topology import load_topology
+from aurora.events import (
+    NODE_STARTED,
+    PARENT_ATTACHED,
+    POOL_MEMBER_JOINED,
+    POOL_MEMBER_LEFT,
+    POOL_MEMBER_REFUSED,
+    RESULT_ACCEPTED,
+    VERSION_COMMITTED,
+    VERSION_PUBLISHED,
+    WORK_STARTED,
+)
+from aurora.protocol.messages import Hello, MemberCert, Refused
+from aurora.runtime.processes import node_argv
+from tests.helpers import free_ports, log_events, wait_until
+
+STEPS = 150
+NAMED = ["trainer", "relay", "rollout-1"]
+
+
+def _topology(path: Path) -> Path:
+    p = free_ports(2)
+    path.write_text(f"""
+name: pool-test
+regions: [{{name: local}}]
+nodes:
+  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{p[0]}"}}
+  - {{name: relay, role: relay, region: local, listen: "tcp://127.0.0.1:{p[1]}", parent: trainer}}
+  - {{name: rollout-1, role: rollout, region: local, parent: relay}}
+pools:
+  - {{name: spot, parents: [relay], max_size: 2}}
+heartbeat: {{interval_s: 0.2, suspect_after_s: 0.6, lost_after_s: 1.2}}
+leases: {{ttl_s: 2.0, prompts_per_lease: 4, batch_s: 0.5}}
+staleness: {{max_versions: 1}}
+learner: {{kind: synthetic, model: {{preset: tiny}}, density: 0.02, samples_per_step: 16, step_s: 0.5}}
+engine: {{kind: torch, model: {{preset: tiny}}, max_new_tokens: 8}}
+run: {{steps: {STEPS}}}
+keys: {{dir: keys}}
+""")
+    return path
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.topo_path = _topology(tmp / "t.yaml")
+        self.topo = load_topology(self.topo_path)
+        list(generate_topology_keys(self.topo, str(self.topo_path)))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+
+    def credential(self, label: str, ttl_s: float = 3600, now: float | None = None) -> tuple[Path, Credential]:
+        cred = enroll(self.topo, str(self.topo_path), "spot", ttl_s, time.time() if now is None else now)
+        path = self.tmp / f"{label}.json"
+        write_credential(path, cred)
+        return path, cred
+
+    def start(self, name: str, argv: list[str] | None = None) -> None:
+        self.logs[name] = self.tmp / f"{name}.log"
+        argv = argv or node_argv(self.topo_path, name, log_level="debug" if name == "trainer" else "info")
+        with self.logs[name].open("ab") as err:
+            self.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+    def start_member(self, cred_path: Path, cred: Credential) -> str:
+        argv = [sys.executable, "-m", "aurora", "node", "--topology", str(self.topo_path)]
+        self.start(cred.name, [*argv, "--pool", "spot", "--credential", str(cred_path)])
+        return cred.name
+
+    def ev(self, name: str, event: str) -> list[dict[str, Any]]:
+        return [e for e in log_events(self.logs[name]) if e["event"] == event] if name in self.logs else []
+
+    def version(self, name: str) -> int:
+        key = VERSION_PUBLISHED if name == "trainer" else VERSION_COMMITTED
+        return max((e["version"] for e in self.ev(name, key)), default=-1)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        for p in c.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+async def _hello_answer(c: Cluster, key: CurveKeys, cert: MemberCert | None) -> object:
+    """What the running relay answers a hello from ``key`` (claiming its member name) with ``cert``."""
+    relay_pub, _ = zmq.auth.load_certificate(str(c.tmp / "keys" / "relay.key"))
+    name = member_name("spot", key.public)
+    cfg = LinkConfig(heartbeat_s=0.2, suspect_after_s=0.6, lost_after_s=1.2)
+    zt = ZmqTransport(name, cfg=cfg, keys=NodeKeys(key, {"relay": relay_pub}))
+    async with asyncio.TaskGroup() as tg:
+        await zt.start_in(tg)
+        try:
+            ch = await zt.connect("relay", c.topo.node("relay").listen or "")
+            await ch.send(Hello(v=None, cert=cert))
+            return (await asyncio.wait_for(ch.recv(), 15)).msg
+        finally:
+            await zt.close()
+
+
+def test_members_join_leave_and_are_refused_and_the_run_completes(cluster: Cluster) -> None:
+    c = cluster
+    c.start("trainer")
+    c.start("relay")
+    wait_until(lambda: c.ev("relay", PARENT_ATTACHED), 180, "the relay to attach")
+    c.start("rollout-1")
+    wait_until(lambda: c.version("trainer") >= 3, 180, "work under way")
+
+    # two members join mid-run and get work
+    m1 = c.start_member(*c.credential("m1"))
+    m2 = c.start_member(*c.credential("m2"))
+    joined = lambda: {e["member"] for e in c.ev("trainer", POOL_MEMBER_JOINED)}  # noqa: E731
+    wait_until(lambda: {m1, m2} <= joined(), 120, "two members to join")
+    wait_until(lambda: c.ev(m1, WORK_STARTED) and c.ev(m2, WORK_STARTED), 60, "the members to get work")
+
+    # the pool is full: a third is refused (and keeps asking)
+    m3_path, m3_cred = c.credential("m3")
+    m3 = c.start_member(m3_path, m3_cred)
+    wait_until(lambda: any(e["member"] == m3 for e in c.ev("trainer", POOL_MEMBER_REFUSED)), 60, "the full pool")
+    assert any("is full (2 of 2" in e["reason"] for e in c.ev(m3, "parent_refused"))
+
+    # refused at the hello by the running parent: no certificate, a forged one, an expired one
+    stranger = CurveKeys.generate()
+    answer = asyncio.run(_hello_answer(c, stranger, None))
+    assert isinstance(answer, Refused)
+    assert "shows its certificate" in answer.reason
+    _, good = c.credential("m4")
+    forged = MemberCert(pool="spot", key=stranger.public, expires=good.cert.expires, sig=good.cert.sig)
+    answer = asyncio.run(_hello_answer(c, stranger, forged))
+    assert isinstance(answer, Refused)
+    assert "not signed by pool 'spot'" in answer.reason
+    _, old = c.credential("m5", ttl_s=60, now=time.time() - 120)
+    answer = asyncio.run(_hello_answer(c, old.curve, old.cert))
+    assert isinstance(answer, Refused)
+    assert "expired" in answer.reason
+
+    # status lists the members
+    out = subprocess.run(
+        [sys.executable, "-m", "aurora", "status", str(c.topo_path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"pool spot: 2 members  {' '.join(sorted([m1, m2]))}" in out.stdout, out.stdout
+
+    # a member dies without a word: its place frees, and the third takes it and gets work
+    assert c.version("trainer") < STEPS - 20, "the run ended before a member could be killed"
+    os.killpg(c.procs[m1].pid, signal.SIGKILL)
+    c.procs[m1].wait()
+    wait_until(lambda: any(e["member"] == m1 for e in c.ev("trainer", POOL_MEMBER_LEFT)), 30, "m1's place to free")
+    wait_until(lambda: m3 in joined() and c.ev(m3, WORK_STARTED), 60, "the third member to join and get work")
+
+    stayed = [*NAMED[1:], m2, m3]
+    wait_until(lambda: all(c.version(n) >= STEPS for n in stayed), 240, f"version {STEPS} everywhere")
+    lives = {n: [log_events(c.logs[n])] for n in ["trainer", *stayed]}
+    for n in ["trainer", *stayed]:
+        assert sum(e["event"] == NODE_STARTED for e in lives[n][0]) == 1, n
+    report = check(lives, "trainer", c.topo.staleness.max_versions, STEPS)
+    assert not report.violations, report.violations[:5]
+    accepted_by = {e.get("worker") for e in c.ev("trainer", RESULT_ACCEPTED)}
+    assert {m1, m2, m3, "rollout-1"} <= accepted_by
