@@ -142,6 +142,12 @@ if TYPE_CHECKING:  # aiortc is the webrtc extra: imported only where a topology 
 log = structlog.get_logger("aurora.node")
 _quiet = Throttle(every_s=5.0)
 
+HELLO_WAIT_S = 10.0
+"""A child's first message (its hello, a status query, signalling) is due this long after its channel
+opens; then the channel is closed (a child says hello the moment it hears its parent)."""
+MEMBER_SLACK = 16
+"""Pool members a node serves or routes for beyond the pools' sizes (members leaving and joining at once)."""
+
 
 class NodeTransport(Transport, Protocol):
     """What a node needs from its transport: `Transport`, plus a listening address and hanging up."""
@@ -171,12 +177,16 @@ class TreeView(Protocol):
 
     cert: MemberCert | None
     roster: PoolRoster | None
+    max_members: int
+    connecting_members: int
 
     def ref(self, actor: str) -> ActorRef | None: ...
-    async def admit(self, member: str, cert: MemberCert | None, probe: bool) -> str | None: ...
+    async def admit(self, member: str, cert: MemberCert | None, probe: bool, key: bytes | None) -> str | None: ...
     def on_admitted(self, m: Admitted) -> bool: ...
-    def join(self, member: str) -> str | None: ...
+    def join(self, member: str, cert: MemberCert, parent: str) -> str | None: ...
     def heard_member(self, member: str) -> bool: ...
+    async def evict(self, member: str) -> None: ...
+    def member_routes(self) -> int: ...
     def report(self) -> NodeReport: ...
     def on_status_message(self, m: Held | Status) -> None: ...
     def snapshot(self) -> StatusSnapshot: ...
@@ -247,6 +257,10 @@ class Node:
         """A pool member's certificate, shown with its hello."""
         self._admissions: dict[str, tuple[asyncio.Event, list[Admitted]]] = {}
         """A relay's hellos of pool members waiting for the trainer's answer to their `Join`."""
+        self.max_members = sum(p.max_size for p in topo.pools) + MEMBER_SLACK
+        """Pool members this node serves or routes for at most at once (beyond: refused, as an attack)."""
+        self.connecting_members = 0
+        """Pool members' channels open here and not yet attached (their hello not yet answered)."""
         self.sup: Supervisor | None = None
         self.rtc: WebRtcTransport | None = None
         """WebRTC: answers children that come over WebRTC, or dials this node's parent."""
@@ -274,31 +288,38 @@ class Node:
         except KeyError:
             return None
 
-    async def admit(self, member: str, cert: MemberCert | None, probe: bool) -> str | None:
-        """Why pool member ``member``, which said hello with ``cert``, may not attach here (None: it may).
-        Its certificate is checked here (`aurora.auth.pool.check_cert`); then, unless it only probes,
-        the trainer gives it a place in its pool — here, or asked with a `Join` up the tree (no answer
-        within half a ``lost_after_s``: refused, and the member says hello again)."""
+    async def admit(self, member: str, cert: MemberCert | None, probe: bool, key: bytes | None) -> str | None:
+        """Why pool member ``member``, which said hello with ``cert`` on a connection authenticated with
+        ``key``, may not attach here (None: it may). Its certificate is checked here
+        (`aurora.auth.pool.check_cert`, and that it is of the very key the member connected with); then,
+        unless it only probes, the trainer gives it a place in its pool — here, or asked with a `Join`
+        up the tree that carries the certificate (no answer within half a ``lost_after_s``: refused,
+        and the member says hello again). A second hello of a member while one waits waits for the
+        same answer."""
         if cert is None:
             return "a pool member shows its certificate with its hello"
+        if key is not None and cert.key != key:
+            return "its certificate is of another key than the one it connected with"
         why = check_cert(cert, member, self.name, self.pools, self.pool_keys, time.time())
         if why is not None:
             return f"its certificate {why}"
         if probe:
             return None
         if self.roster is not None:
-            return self.join(member)
-        if member in self._admissions:
-            return "its hello is already waiting for the trainer"
-        answered, answer = asyncio.Event(), list[Admitted]()
-        self._admissions[member] = (answered, answer)
-        try:
-            if not await self.up(Join(w=member), ()):
+            return self.join(member, cert, self.name)
+        waiting = self._admissions.get(member)
+        if waiting is None:
+            waiting = self._admissions[member] = (asyncio.Event(), list[Admitted]())
+            if not await self.up(Join(w=member, parent=self.name, cert=cert), ()):
+                del self._admissions[member]
                 return "this node has no parent to ask the trainer through"
+        answered, answer = waiting
+        try:
             if not await self.clock.wait_until(answered, self.clock.now() + self.topo.heartbeat.lost_after_s / 2):
                 return "the trainer did not answer its join in time"
         finally:
-            del self._admissions[member]
+            if self._admissions.get(member) is waiting:
+                del self._admissions[member]
         return None if answer[0].ok else (answer[0].reason or "refused by the trainer")
 
     def on_admitted(self, m: Admitted) -> bool:
@@ -310,13 +331,15 @@ class Node:
         waiting[0].set()
         return True
 
-    def join(self, member: str) -> str | None:
-        """Trainer: a place for ``member`` in its pool (None), or why there is none; logged."""
+    def join(self, member: str, cert: MemberCert, parent: str) -> str | None:
+        """Trainer: a place for ``member`` in its pool (None), or why there is none; logged. Its
+        certificate is checked again here (a relay is not trusted with who is a member)."""
         assert self.roster is not None
         now = self.clock.now()
         self._left(now)
         had = self.roster.holds(member)
-        why = self.roster.join(member, now)
+        why = check_cert(cert, member, parent, self.pools, self.pool_keys, time.time())
+        why = f"its certificate {why}" if why is not None else self.roster.join(member, now)
         if why is not None:
             if (suppressed := _quiet.allow(f"member/{member}", now)) is not None:
                 log.warning(POOL_MEMBER_REFUSED, member=member, reason=why, suppressed=suppressed)
@@ -325,26 +348,43 @@ class Node:
         return why
 
     def _left(self, now: float) -> None:
+        """Trainer: forget the members not heard from for the roster's ``hold_s`` (their leases expire as
+        any worker's)."""
         assert self.roster is not None
         for gone in self.roster.prune(now):
             self.status.forget(gone)
+            self.routes.via.pop(gone, None)
+            if self.pool is not None:
+                self.pool.served.pop(gone, None)
             log.info(POOL_MEMBER_LEFT, member=gone, reason=f"not heard from for {self.roster.hold_s:g} s")
 
     def heard_member(self, member: str) -> bool:
         """Trainer: pool member ``member`` was heard from (a report, a work message): does it hold a
-        place? One that lost its place to silence (a partition) gets one back while there is room."""
+        place? Only a member that holds one keeps it; one that lost its place (silent for too long) is
+        told so (`evict`) and must say hello again."""
         if self.roster is None or self.rules.pool_of(member) is None:
             return False
         now = self.clock.now()
         self._left(now)
-        if self.roster.holds(member):
-            return self.roster.seen(member, now)
-        why = self.roster.join(member, now)
-        if why is None:
-            log.info(POOL_MEMBER_JOINED, member=member, pool=self.roster.pool_of(member), members=self.roster.members())
-        elif (suppressed := _quiet.allow(f"member/{member}", now)) is not None:
-            log.warning(POOL_MEMBER_REFUSED, member=member, reason=why, suppressed=suppressed)
-        return why is None
+        return self.roster.holds(member) and self.roster.seen(member, now)
+
+    async def evict(self, member: str) -> None:
+        """Trainer: tell pool member ``member``, which holds no place, that it has none (its parent closes
+        its channel; it says hello again and asks for one)."""
+        if _quiet.allow(f"evict/{member}", self.clock.now()) is None:
+            return  # told within the last few seconds
+        reason = "no place in the pool (silent too long): say hello again"
+        ch = self.flow.channel(member)
+        if ch is not None:  # a child of the trainer itself
+            with contextlib.suppress(TransportClosed):
+                await ch.close(reason)
+        else:
+            await self.down(Admitted(w=member, ok=False, reason=reason), ())
+        self.routes.via.pop(member, None)
+
+    def member_routes(self) -> int:
+        """Pool members whose work goes through this node's children."""
+        return sum(1 for w in self.routes.via if self.rules.pool_of(w) is not None)
 
     def report(self) -> NodeReport:
         """This node's `Status` report (see `aurora.actors.status`)."""
@@ -563,8 +603,28 @@ async def _child(node: TreeView, ch: Channel) -> None:
 
 
 async def _serve_child(node: TreeView, ch: Channel) -> None:
+    if node.rules.pool_of(ch.peer) is None:
+        await _serve_hello(node, ch)
+        return
+    # a pool member: any key may get this far at a pool's parent, so how many wait here is bounded
+    if node.connecting_members >= node.max_members:
+        await ch.close("too many pool members connecting")
+        return
+    node.connecting_members += 1
+    try:
+        await _serve_hello(node, ch)
+    finally:
+        node.connecting_members -= 1
+
+
+async def _serve_hello(node: TreeView, ch: Channel) -> None:
     flow, place = node.flow, node.place
-    hello = (await ch.recv()).msg
+    try:
+        async with node.clock.timeout(HELLO_WAIT_S):
+            hello = (await ch.recv()).msg
+    except TimeoutError:
+        await ch.close(f"no first message within {HELLO_WAIT_S:g} s")
+        return
     if isinstance(hello, StatusQuery):
         if node.pool is None or (node.keys.secure and ch.peer != OPERATOR and ch.peer not in node.role):
             await ch.close("no status here")
@@ -580,11 +640,15 @@ async def _serve_child(node: TreeView, ch: Channel) -> None:
         await ch.close("expected a hello")
         return
     answer = place.hello(ch.peer)
-    if not isinstance(answer, Refused) and node.rules.pool_of(ch.peer) is not None:
-        why = await node.admit(ch.peer, hello.cert, hello.probe)
+    member = node.rules.pool_of(ch.peer) is not None
+    if not isinstance(answer, Refused) and member:
+        why = await node.admit(ch.peer, hello.cert, hello.probe, ch.peer_key)
         answer = place.hello(ch.peer) if why is None else Refused(reason=why[:MAX_REASON_CHARS])
     if isinstance(answer, Refused):
-        log.info("child_refused", child=ch.peer, reason=answer.reason, probe=hello.probe)
+        if (
+            suppressed := _quiet.allow(f"refused/{ch.peer if not member else 'members'}", node.clock.now())
+        ) is not None:
+            log.info("child_refused", child=ch.peer, reason=answer.reason, probe=hello.probe, suppressed=suppressed)
         await ch.send(answer)
         await ch.close("refused")
         return
@@ -594,10 +658,21 @@ async def _serve_child(node: TreeView, ch: Channel) -> None:
         return
     log.info(CHILD_ATTACHED, child=ch.peer, version=hello.v)
     flow.add_child(ch, hello.v)
-    with unwrap_group():
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(flow.serve_child(ch))  # what goes down to this child: its own task
-            await _from_child(node, ch)
+    # a member's credential ends at its expiry (wall-clock), attached or not
+    until = None if hello.cert is None or not member else node.clock.now() + (hello.cert.expires - time.time())
+    try:
+        async with node.clock.timeout_at(until):
+            with unwrap_group():
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(flow.serve_child(ch))  # what goes down to this child: its own task
+                    await _from_child(node, ch)
+    except TimeoutError:
+        log.info("child_credential_expired", child=ch.peer)
+        await ch.close("its pool credential expired")
+    finally:
+        if member:  # its work routes go with it (a member attaches again only with a new hello)
+            for w in [w for w, c in node.routes.via.items() if c == ch.peer]:
+                node.routes.via.pop(w, None)
 
 
 async def _from_child(node: TreeView, ch: Channel) -> None:
@@ -619,17 +694,24 @@ async def _from_child(node: TreeView, ch: Channel) -> None:
             if not node.place.speaks_for_worker(ch.peer, m.w):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for worker {m.w!r}, which it does not speak for")
                 continue
-            if isinstance(m, Join) and node.rules.pool_of(m.w) is None:
-                ch.fault(f"{ch.peer!r} sent a join for {m.w!r}, which is no pool's member")
+            member = node.rules.pool_of(m.w) is not None
+            if isinstance(m, Join) and (not member or not node.place.speaks_for(ch.peer, m.parent)):
+                ch.fault(f"{ch.peer!r} sent a join for {m.w!r} under {m.parent!r}, which it does not speak for")
+                continue
+            if member and m.w not in node.routes.via and node.member_routes() >= node.max_members:
+                ch.fault(f"{ch.peer!r} sent work for {m.w!r}, one pool member more than the pools hold")
+                continue
+            if node.roster is not None and member and not isinstance(m, Join) and not node.heard_member(m.w):
+                await node.evict(m.w)  # a member without a place gets no work: it must say hello again
                 continue
             if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want | Join), open_children=node.flow.children):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.w!r}, whose work goes through another child")
                 continue
             if node.roster is not None and isinstance(m, Join):
-                why = node.join(m.w)
+                why = node.join(m.w, m.cert, m.parent)
                 await node.down(Admitted(w=m.w, ok=why is None, reason=why), ())
-            elif node.roster is not None and node.rules.pool_of(m.w) is not None and not node.heard_member(m.w):
-                continue  # a member without a place in its pool gets no work (logged by heard_member)
+                if why is not None:
+                    node.routes.via.pop(m.w, None)
             elif coordinator is not None:
                 await tell_or_drop(coordinator, msg)
             else:
@@ -795,8 +877,14 @@ class UplinkActor(Actor):
             if isinstance(m, PathUpdate):
                 await self._do(up, ch, up.path_moved(m.path, self.clock.now()))
             elif isinstance(m, Admitted):
-                if not node.on_admitted(m) and m.w in node.routes.via:
-                    await node.down(m, tuple(msg.buffers))  # a join that came through this relay
+                if node.on_admitted(m):
+                    continue
+                child = node.flow.channel(m.w)
+                if not m.ok and child is not None:  # a member of this node's that lost its place
+                    with contextlib.suppress(TransportClosed):
+                        await child.close(m.reason or "no place in the pool")
+                elif m.w in node.routes.via:
+                    await node.down(m, tuple(msg.buffers))  # a join or an eviction that goes further down
                 # else: the answer to a hello that stopped waiting (the member says hello again)
             elif isinstance(m, DOWN):
                 if worker is not None and m.w == node.name:

@@ -104,11 +104,12 @@ class ClusterStatus:
         """The lowest rate a node reports receiving a bulk transfer at, and that node (None: no node
         has timed one yet), among reports heard in the last `LINK_REPORT_S` (a node gone, or one that
         left the parent it timed, stops counting). A node behind a relay times the whole path to it,
-        so the minimum is the slowest link a version crosses."""
+        so the minimum is the slowest link a version crosses. Pool members do not count: one spot
+        machine, slow or lying, does not choose the coding for the whole tree."""
         got = [
             (r.link_mbit, n)
             for n, (r, at) in self.reports.items()
-            if r.link_mbit is not None and now - at <= LINK_REPORT_S
+            if r.link_mbit is not None and now - at <= LINK_REPORT_S and n in self.nodes  # no pool member's
         ]
         return min(got) if got else None
 

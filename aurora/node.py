@@ -136,8 +136,8 @@ async def run_node(
     )
     if credential is not None:
         node.cert = credential.cert
-    if pools_here and keys.secure:
-        node.pool_keys = pool_verifiers(topo, file)
+    if (pools_here or spec.role == "trainer") and topo.pools and keys.secure:
+        node.pool_keys = pool_verifiers(topo, file)  # a pool's parents check members' certificates, the trainer again
     await in_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await open_trainer(node, store)

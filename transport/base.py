@@ -61,6 +61,8 @@ class Message:
 class Channel(Protocol):
     peer: str
     """The peer's node id."""
+    peer_key: bytes | None
+    """The CurveZMQ public key (Z85) the peer authenticated with, where the transport has one."""
 
     @property
     def closed(self) -> bool: ...

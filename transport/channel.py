@@ -87,6 +87,8 @@ class ChannelBase:
         clock: Clock | None = None,
     ) -> None:
         self.peer = peer
+        self.peer_key: bytes | None = None
+        """The CurveZMQ public key (Z85) the peer authenticated with (ZeroMQ with keys; else None)."""
         self.window = window
         self.max_frame_bytes = max_frame_bytes
         self.clock: Clock = clock or LoopClock()

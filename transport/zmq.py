@@ -492,6 +492,9 @@ class ZmqServer(_Endpoint):
                 self._drop(source, "a heartbeat that names no node")
                 return
             self._beat_from(peer, route, link, now)
+            opened = self._routes.get(route)
+            if opened is not None and key:
+                opened.peer_key = key
             return
         ch = self._routes.get(route)
         if ch is None and isinstance(link, LinkClose | LinkCredit):

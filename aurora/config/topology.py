@@ -42,7 +42,7 @@ from aurora.config.rl import (
 from aurora.config.strict import convert
 from aurora.errors import ConfigError
 from aurora.protocol.liveness import timing_problem
-from aurora.protocol.messages import NAME_PATTERN, POOL_NAME_PATTERN
+from aurora.protocol.messages import MAX_NODES, MAX_STATS, NAME_PATTERN, POOL_NAME_PATTERN
 
 Role = Literal["trainer", "relay", "rollout"]
 AUTO = "auto"
@@ -457,6 +457,10 @@ def check(t: Topology, file: str | None = None) -> None:
 
 def _check_pools(t: Topology, index: dict[str, int], fail: Any) -> None:
     _unique([p.name for p in t.pools], "pools", "name", fail)
+    if len(t.pools) > MAX_STATS:
+        raise fail("pools", f"{len(t.pools)} pools (at most {MAX_STATS})")
+    if len(t.nodes) + sum(p.max_size for p in t.pools) > MAX_NODES:
+        raise fail("pools", f"the named nodes and the pools' max_size add up to more than {MAX_NODES} nodes")
     regions = {r.name for r in t.regions}
     for i, pool in enumerate(t.pools):
         if pool.name in index:

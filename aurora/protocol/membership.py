@@ -177,8 +177,9 @@ class Place:
         return PathUpdate(path=list(self.below()))
 
     def may_signal(self, child: str) -> bool:
-        """May ``child`` set up a WebRTC channel here (it may attach here)?"""
-        return self.rules.may_attach(child, self.name)
+        """May ``child`` set up a WebRTC channel here (a named node that may attach here; pool members
+        come over ZeroMQ only)?"""
+        return self.rules.pool_of(child) is None and self.rules.may_attach(child, self.name)
 
     def speaks_for(self, child: str, origin: str) -> bool:
         """May ``child`` send messages on behalf of node ``origin``? A rollout (a pool member too) only

@@ -345,9 +345,12 @@ class Verdict(_Msg, tag="verdict"):
 
 
 class Join(_Msg, tag="join"):
-    """Pool member ``w`` (its certificate checked by the parent it said hello to) asks the trainer for a place."""
+    """Pool member ``w``, which said hello to ``parent`` with ``cert``, asks the trainer for a place (the
+    trainer checks the certificate again: a relay is not trusted with who is a member)."""
 
     w: Name
+    parent: Name
+    cert: MemberCert
 
 
 class Admitted(_Msg, tag="admitted"):
