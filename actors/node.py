@@ -185,7 +185,7 @@ class TreeView(Protocol):
     def on_admitted(self, m: Admitted) -> bool: ...
     def join(self, member: str, cert: MemberCert, parent: str) -> str | None: ...
     def heard_member(self, member: str) -> bool: ...
-    async def evict(self, member: str) -> None: ...
+    async def evict(self, member: str, via: Channel) -> None: ...
     def member_routes(self) -> int: ...
     def report(self) -> NodeReport: ...
     def on_status_message(self, m: Held | Status) -> None: ...
@@ -368,18 +368,17 @@ class Node:
         self._left(now)
         return self.roster.holds(member) and self.roster.seen(member, now)
 
-    async def evict(self, member: str) -> None:
-        """Trainer: tell pool member ``member``, which holds no place, that it has none (its parent closes
-        its channel; it says hello again and asks for one)."""
+    async def evict(self, member: str, via: Channel) -> None:
+        """Trainer: tell pool member ``member``, whose message came through child ``via`` and which holds
+        no place, that it has none (its parent closes its channel; it says hello again and asks for one)."""
         if _quiet.allow(f"evict/{member}", self.clock.now()) is None:
             return  # told within the last few seconds
         reason = "no place in the pool (silent too long): say hello again"
-        ch = self.flow.channel(member)
-        if ch is not None:  # a child of the trainer itself
-            with contextlib.suppress(TransportClosed):
-                await ch.close(reason)
-        else:
-            await self.down(Admitted(w=member, ok=False, reason=reason), ())
+        with contextlib.suppress(TransportClosed):
+            if via.peer == member:  # a child of the trainer itself
+                await via.close(reason)
+            else:
+                await via.send(Admitted(w=member, ok=False, reason=reason))
         self.routes.via.pop(member, None)
 
     def member_routes(self) -> int:
@@ -702,7 +701,7 @@ async def _from_child(node: TreeView, ch: Channel) -> None:
                 ch.fault(f"{ch.peer!r} sent work for {m.w!r}, one pool member more than the pools hold")
                 continue
             if node.roster is not None and member and not isinstance(m, Join) and not node.heard_member(m.w):
-                await node.evict(m.w)  # a member without a place gets no work: it must say hello again
+                await node.evict(m.w, ch)  # a member without a place gets no work: it must say hello again
                 continue
             if not node.routes.learn(m.w, ch.peer, moves=isinstance(m, Want | Join), open_children=node.flow.children):
                 ch.fault(f"{ch.peer!r} sent {type(m).__name__} for {m.w!r}, whose work goes through another child")

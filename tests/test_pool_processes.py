@@ -3,7 +3,9 @@
 Two members join mid-run; a third finds the pool full and is refused; one member is killed with
 SIGKILL, its place frees and the third, with its fresh credential, takes it and gets work. A key
 with no certificate, one whose certificate another key signed, and an expired credential are
-refused at the hello by the running parent. `aurora status` lists the members. The run completes:
+refused at the hello by the running parent; a compromised relay (the test plays one) cannot make a
+member of a forged certificate nor get work for a member without a place, and a channel that says
+nothing is closed. `aurora status` lists the members. The run completes:
 no prompt accepted twice, versions in order, and every node that stayed — the members too — ends
 on the trainer's last version, bit-identical (`aurora.chaos.check` over every log).
 """
@@ -22,12 +24,14 @@ from typing import Any
 
 import pytest
 import zmq.auth
+from aurora.actors.node import HELLO_WAIT_S
 from aurora.transport.zmq import CurveKeys, LinkConfig, ZmqTransport
 
 from aurora.auth.keys import NodeKeys, generate_topology_keys
 from aurora.auth.pool import Credential, enroll, member_name, write_credential
 from aurora.chaos.check import check
 from aurora.config.topology import load_topology
+from aurora.errors import TransportClosed
 from aurora.events import (
     NODE_STARTED,
     PARENT_ATTACHED,
@@ -39,25 +43,27 @@ from aurora.events import (
     VERSION_PUBLISHED,
     WORK_STARTED,
 )
-from aurora.protocol.messages import Hello, MemberCert, Refused
+from aurora.protocol.messages import Admitted, Hello, Join, Lane, MemberCert, PathUpdate, Refused, Want
 from aurora.runtime.processes import node_argv
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 150
 NAMED = ["trainer", "relay", "rollout-1"]
+"""The named nodes that run; relay-2 is a compromised relay the test plays (with its key)."""
 
 
 def _topology(path: Path) -> Path:
-    p = free_ports(2)
+    p = free_ports(3)
     path.write_text(f"""
 name: pool-test
 regions: [{{name: local}}]
 nodes:
   - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{p[0]}"}}
   - {{name: relay, role: relay, region: local, listen: "tcp://127.0.0.1:{p[1]}", parent: trainer}}
+  - {{name: relay-2, role: relay, region: local, listen: "tcp://127.0.0.1:{p[2]}", parent: trainer}}
   - {{name: rollout-1, role: rollout, region: local, parent: relay}}
 pools:
-  - {{name: spot, parents: [relay], max_size: 2}}
+  - {{name: spot, parents: [relay, relay-2], max_size: 2}}
 heartbeat: {{interval_s: 0.2, suspect_after_s: 0.6, lost_after_s: 1.2}}
 leases: {{ttl_s: 2.0, prompts_per_lease: 4, batch_s: 0.5}}
 staleness: {{max_versions: 1}}
@@ -115,6 +121,42 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             p.wait()
 
 
+async def _as_relay_2(c: Cluster, forged: MemberCert) -> tuple[object, object, str]:
+    """Play a compromised relay-2 at the trainer: the trainer's answers to a `Join` of a member with a
+    forged certificate, and to a `Want` of a member that never joined; and how a channel that says
+    nothing ends."""
+    trainer_pub, _ = zmq.auth.load_certificate(str(c.tmp / "keys" / "trainer.key"))
+    pub, sec = zmq.auth.load_certificate(str(c.tmp / "keys" / "relay-2.key_secret"))
+    assert sec is not None
+    cfg = LinkConfig(heartbeat_s=0.2, suspect_after_s=0.6, lost_after_s=1.2)
+    addr = c.topo.node("trainer").listen or ""
+    out: list[object] = []
+    for first in (True, False):
+        zt = ZmqTransport("relay-2", cfg=cfg, keys=NodeKeys(CurveKeys(pub, sec), {"trainer": trainer_pub}))
+        async with asyncio.TaskGroup() as tg:
+            await zt.start_in(tg)
+            try:
+                ch = await zt.connect("trainer", addr)
+                if first:
+                    await ch.send(Hello(v=None))
+                    assert isinstance((await asyncio.wait_for(ch.recv(Lane.CONTROL), 15)).msg, PathUpdate)
+                    await ch.send(Join(w=member_name("spot", forged.key), parent="relay-2", cert=forged))
+                    await ch.send(Want(w=member_name("spot", CurveKeys.generate().public), n=4))
+                    got = []
+                    while len(got) < 2:
+                        m = (await asyncio.wait_for(ch.recv(Lane.CONTROL), 15)).msg
+                        if isinstance(m, Admitted):
+                            got.append(m)
+                    out += got
+                else:  # says nothing: closed after the hello's deadline
+                    with pytest.raises(TransportClosed) as closed:
+                        await asyncio.wait_for(ch.recv(), HELLO_WAIT_S + 10)
+                    out.append(str(closed.value))
+            finally:
+                await zt.close()
+    return out[0], out[1], str(out[2])
+
+
 async def _hello_answer(c: Cluster, key: CurveKeys, cert: MemberCert | None) -> object:
     """What the running relay answers a hello from ``key`` (claiming its member name) with ``cert``."""
     relay_pub, _ = zmq.auth.load_certificate(str(c.tmp / "keys" / "relay.key"))
@@ -166,6 +208,17 @@ def test_members_join_leave_and_are_refused_and_the_run_completes(cluster: Clust
     answer = asyncio.run(_hello_answer(c, old.curve, old.cert))
     assert isinstance(answer, Refused)
     assert "expired" in answer.reason
+
+    # a compromised relay cannot make a member: the trainer checks the certificate itself, and gives
+    # work to no member without a place; a channel that says nothing is closed
+    joined_answer, want_answer, silent = asyncio.run(_as_relay_2(c, forged))
+    assert isinstance(joined_answer, Admitted)
+    assert not joined_answer.ok
+    assert "not signed by pool 'spot'" in (joined_answer.reason or "")
+    assert isinstance(want_answer, Admitted)
+    assert not want_answer.ok
+    assert "no place" in (want_answer.reason or "")
+    assert "no first message" in silent
 
     # status lists the members
     out = subprocess.run(
