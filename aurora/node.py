@@ -51,7 +51,7 @@ from aurora.protocol.leases import LeaseHolder
 from aurora.protocol.messages import MAX_MANIFEST_BYTES
 from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
-from aurora.rl.learners import make_learner
+from aurora.rl.learners import Learner, make_learner
 from aurora.rl.tasks import make_task
 from aurora.rl.types import Prompt
 from aurora.runtime import ChildSpec, Clock, LoopClock, Supervisor, cancel_and_wait, in_thread, unwrap_group
@@ -85,9 +85,12 @@ async def run_node(
     clock: Clock | None = None,
     bind: str | None = None,
     credential: Credential | None = None,
+    learner: Learner | None = None,
 ) -> None:
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
+    ``learner``: the trainer's learner, instead of the one the topology's ``learner`` section makes
+    (`aurora.loop.TrainerLoop` passes the adapter of a training loop of its own).
     ``credential``: run as a member of the credential's pool (``name`` is then its member name,
     `aurora.auth.pool`), attached where the pool says.
 
@@ -140,7 +143,7 @@ async def run_node(
         node.pool_keys = pool_verifiers(topo, file)  # a pool's parents check members' certificates, the trainer again
     await in_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
-        await open_trainer(node, store)
+        await open_trainer(node, store, learner)
     else:
         await open_store(node, store)
         if spec.role == "rollout" and topo.engine is not None:
@@ -266,13 +269,14 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-async def open_trainer(node: Node, store: Path | None) -> None:
-    """The learner, version 0 (or the store's latest), and the work pool on the task's prompts."""
+async def open_trainer(node: Node, store: Path | None, learner: Learner | None = None) -> None:
+    """The learner (``learner``, or the topology's), version 0 (or the store's latest), and the work
+    pool on the task's prompts."""
     task = make_task(node.topo.task)
     if store is not None:
         node.store = DeltaStore(store)
     engine = node.topo.engine or EngineSpec()
-    learner = make_learner(
+    learner = learner or make_learner(
         node.topo.learner,
         model=node.topo.model,
         task=task,

@@ -63,3 +63,23 @@ def test_the_reverse_example_trains_on_its_dataset_with_its_reward_and_evaluates
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 5, 10]
     assert [e.step for e in acc.Scalars("train/reward")] == list(range(1, steps + 1))
+
+
+def test_the_own_loop_example_drives_the_trainer_from_a_plain_pytorch_loop(tmp_path: Path) -> None:
+    """examples/own_loop/train.py as a user runs it: its loop gets each step's accepted groups, trains
+    with its own loss and optimiser, publishes, and the rollout ends on the last version."""
+    shutil.copytree(ROOT / "examples" / "own_loop", tmp_path / "own_loop")
+    path = tmp_path / "own_loop" / "topology.yaml"
+    text = path.read_text().replace("../../runs/models/tiny-0", str(tmp_path / "models" / "tiny-0"))
+    path.write_text(text.replace("127.0.0.1:47210", f"127.0.0.1:{free_ports(1)[0]}"))
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "own_loop" / "train.py"), "--steps", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    versions = [int(m) for m in re.findall(r"^version (\d+): reward", r.stdout, re.M)]
+    assert versions == list(range(1, 7))
+    assert "done: version 6 published, and every node holds it" in r.stdout
+    assert not (tmp_path / "own_loop" / ".topology-6.yaml").exists()

@@ -326,7 +326,26 @@ class GrpoSpec:
                 raise ConfigError("must be >= 0", path=name)
 
 
-LearnerSpec = SyntheticSpec | GrpoSpec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopSpec:
+    """Your own training loop drives the trainer (`aurora.loop.TrainerLoop`): it takes each step's
+    accepted groups and publishes the versions; ``aurora node``/``aurora run`` do not run such a trainer."""
+
+    kind: Literal["loop"] = "loop"
+    group_size: int = 8
+    """Samples per prompt the workers make."""
+    prompts_per_step: int = 8
+    """Groups in each batch the loop gets."""
+    seed: int = 0
+    """The task's prompt order."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "prompts_per_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be >= 1", path=name)
+
+
+LearnerSpec = SyntheticSpec | GrpoSpec | LoopSpec
 
 
 def resolve_paths(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aurora.config.rl import GrpoSpec, LearnerSpec, ModelSpec
+from aurora.config.rl import GrpoSpec, LearnerSpec, LoopSpec, ModelSpec
+from aurora.errors import ConfigError
 from aurora.rl.learners.base import Learner
 from aurora.rl.tasks import Task
 
@@ -31,6 +32,12 @@ def make_learner(
             checkpoint_dir=checkpoint_dir,
             chat=chat,
             max_new_tokens=max_new_tokens,
+        )
+    if isinstance(spec, LoopSpec):
+        raise ConfigError(
+            "learner kind 'loop': the trainer runs inside your own training loop (aurora.loop.TrainerLoop), "
+            "not under aurora node or aurora run",
+            path="learner.kind",
         )
     from aurora.rl.learners.synthetic import SyntheticLearner
 

@@ -1,0 +1,301 @@
+"""Your own training loop on Aurora's network: `TrainerLoop` runs a trainer node around a loop you write.
+
+Aurora's trainer node does the network's work — the coordinator that leases prompts and checks
+results, the publisher that turns each version into a verified delta down the relay tree, the store —
+and asks a *learner* for each next version (`aurora.rl.learners.base.Learner`: the built-in GRPO
+learner is one). `TrainerLoop` is that learner turned inside out, for a loop that is not Aurora's (a
+plain PyTorch loop, or one inside another framework)::
+
+    with TrainerLoop("topology.yaml", model, tokenizer) as loop:   # learner: {kind: loop, ...}
+        for batch in loop.batches():           # each step's accepted groups (prompts_per_step of them)
+            loss = my_loss(model, batch)       # your loss, your optimiser
+            loss.backward(); opt.step(); opt.zero_grad()
+            loop.publish({"loss": float(loss)})   # the module's parameters, cast to bf16: the next version
+
+It runs the trainer node (`aurora.node.run_node`, as ``aurora node`` would) in a thread of its own
+with an asyncio loop of its own, and hands over through two queues: the node's publisher gives a batch
+and waits; `batches` yields it to your loop; `publish` gives back the next version. Everything the
+built-in learner gets, your loop gets: each `Group` is a leased prompt (the trainer's own tokenization),
+the samples the worker returned (token ids and behaviour log-probabilities, checked by the
+coordinator's result rules), their texts and their rewards under the topology's task. A version is
+the module's ``named_parameters`` cast to bf16, under their names (the names the rollouts' model
+directory uses); version 0 is the module as given, or the store's newest when it resumes.
+
+Invariants: a version is published only from your loop's `publish` (one per batch, in order); the
+node's thread ends when the loop is left (an exception in the node is raised in your loop, at
+`batches`, `publish` or the end of the ``with``); nothing of your model is read except in `publish`
+and at the start, in your loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aurora.codec import Weights
+from aurora.config.plan import plan
+from aurora.config.rl import LoopSpec
+from aurora.config.topology import Topology, load_topology
+from aurora.errors import AuroraError, ConfigError, LearnerError
+from aurora.rl.model import Tokenizer
+from aurora.rl.tasks import make_task
+from aurora.rl.types import Completion, Prompt
+
+POLL_S = 0.2
+"""How often a wait in your loop looks whether the node has failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One accepted result: a prompt and its group of samples, all made with weights ``version``."""
+
+    prompt: Prompt
+    """The prompt (``tokens``: as the trainer tokenized it; ``answer``: the task's reference answer)."""
+    completion: Completion
+    """The samples (``samples[i].tokens``, ``samples[i].logprobs``: each token's behaviour log-probability)."""
+    texts: list[str]
+    """Each sample's text (its token ids decoded)."""
+    rewards: list[float]
+    """Each sample's reward under the topology's task."""
+
+    @property
+    def version(self) -> int:
+        return self.completion.version
+
+
+class _Handover:
+    """The `Learner` the node's publisher drives: each `step` hands its batch to the loop's thread and
+    waits for the version the loop publishes."""
+
+    def __init__(self, loop: TrainerLoop, spec: LoopSpec, vocab_size: int) -> None:
+        self.owner = loop
+        self.batch_size = spec.prompts_per_step
+        self.interval_s = 0.0
+        self.group_size = spec.group_size
+        self.seed = spec.seed
+        self.stats: dict[str, Any] = {}
+        self._vocab_size = vocab_size
+
+    def initial(self) -> Weights:
+        return self.owner._weights()
+
+    def step(self, batch: Sequence[Any]) -> Weights:
+        self.owner._batches.put(list(batch))
+        got = self.owner._versions.get()
+        if got is None:
+            raise LearnerError("the training loop stopped")
+        weights, stats = got
+        self.stats = stats
+        return weights
+
+    def evaluate(self, version: int) -> dict[str, Any] | None:
+        return None
+
+    def restore(self, weights: Weights, version: int) -> None:
+        self.owner._restore(weights, version)
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        return self.owner._tokenize(prompt)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+
+class TrainerLoop:
+    """A trainer node driven by your training loop (see the module docstring).
+
+    ``topology``: the topology file; its ``learner`` section is ``{kind: loop, prompts_per_step,
+    group_size}``. ``model``: the module you train (a ``torch.nn.Module``, or an FSDP-wrapped one whose
+    ``named_parameters`` are whole on this process). ``tokenizer``: a ``transformers`` tokenizer (or
+    `aurora.rl.model.Tokenizer`) of the rollouts' model. ``store``: the trainer's version store (it
+    resumes from its newest version). ``name``: the trainer's node name (default: the topology's)."""
+
+    def __init__(
+        self,
+        topology: str | Path,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        store: str | Path | None = None,
+        name: str | None = None,
+        insecure: bool = False,
+    ) -> None:
+        self.file = str(topology)
+        self.topo: Topology = load_topology(topology)
+        if not isinstance(self.topo.learner, LoopSpec):
+            raise ConfigError(
+                f"learner kind {self.topo.learner.kind!r}: a training loop of your own needs "
+                "learner: {kind: loop, prompts_per_step: N, group_size: G}",
+                file=self.file,
+                path="learner.kind",
+            )
+        self.spec: LoopSpec = self.topo.learner
+        self.name = name or self.topo.trainer.name
+        if self.topo.node(self.name).role != "trainer":
+            raise ConfigError(f"{self.name!r} is not the trainer", file=self.file)
+        self.model = model
+        self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+        self.task = make_task(self.topo.task)
+        self.store = None if store is None else Path(store)
+        self.insecure = insecure
+        self.steps = self.topo.run.steps
+        self.version = 0
+        """The version the module's weights are: the last published (or resumed from)."""
+        self._batches: queue.Queue[list[tuple[Prompt, Completion]]] = queue.Queue()
+        self._versions: queue.Queue[tuple[Weights, dict[str, Any]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._node: Any = None
+        self._waiting = False
+
+    # ---------------------------------------------------------------- your loop's side
+    def __enter__(self) -> TrainerLoop:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(wait_synced_s=60.0 if exc[0] is None else 0.0)
+
+    def start(self) -> None:
+        """Start the trainer node (in its own thread); returns once it serves, or raises why it cannot."""
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="aurora-trainer", daemon=True)
+        self._thread.start()
+        while not started.wait(POLL_S):
+            self._check()
+        self._check()
+
+    def batches(self) -> Iterator[list[Group]]:
+        """Each step's batch of accepted groups, until the run's ``run.steps`` versions are published;
+        `publish` the next version before asking for the next batch."""
+        while self.version < self.steps:
+            if self._waiting:
+                raise AuroraError("publish() the version of the last batch before taking another")
+            batch = self._get()
+            self._waiting = True
+            yield [self._group(p, c) for p, c in batch]
+
+    def publish(self, stats: dict[str, Any] | None = None) -> int:
+        """The module's parameters, cast to bf16, become the next version (with ``stats`` in the trainer's
+        step log: numbers and short strings); returns its number."""
+        if not self._waiting:
+            raise AuroraError("publish() follows a batch from batches()")
+        self._check()
+        weights = self._weights()
+        self._waiting = False
+        self.version += 1
+        clean = {k: v for k, v in (stats or {}).items() if isinstance(v, bool | int | float | str | None)}
+        self._versions.put((weights, clean))
+        return self.version
+
+    def synced(self) -> bool:
+        """Does every named node hold the last published version?"""
+        node = self._node
+        return node is not None and self.version in node.status.sync_s
+
+    def close(self, wait_synced_s: float = 0.0) -> None:
+        """Stop the node (after waiting up to ``wait_synced_s`` for every node to hold the last version)."""
+        if self._thread is None:
+            return
+        deadline = threading.Event()
+        waited = 0.0
+        while wait_synced_s > waited and self._error is None and self._thread.is_alive() and not self.synced():
+            deadline.wait(POLL_S)
+            waited += POLL_S
+        self._versions.put(None)  # a publisher waiting for a version stops waiting
+        if self._aio is not None and self._stop is not None:
+            self._aio.call_soon_threadsafe(self._stop.set)
+        self._thread.join()
+        self._thread = None
+        if self._error is not None and not isinstance(self._error, LearnerError):
+            raise AuroraError(f"the trainer node failed: {self._error}") from self._error
+
+    # ---------------------------------------------------------------- the handover
+    def _get(self) -> list[tuple[Prompt, Completion]]:
+        while True:
+            self._check()
+            try:
+                return self._batches.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise AuroraError(f"the trainer node failed: {self._error}") from self._error
+        if self._thread is not None and not self._thread.is_alive():
+            raise AuroraError("the trainer node stopped")
+
+    def _group(self, prompt: Prompt, completion: Completion) -> Group:
+        texts = [self.tok.decode(s.tokens) for s in completion.samples]
+        rewards = [float(self.task.score(prompt, t).reward) for t in texts]
+        return Group(prompt, completion, texts, rewards)
+
+    def _weights(self) -> Weights:
+        with torch.no_grad():
+            cast = {n: p.detach().to(torch.bfloat16).cpu() for n, p in self.model.named_parameters()}
+        bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise LearnerError(f"the module holds non-finite values (first in {bad[0]!r}); not published")
+        return Weights.from_tensors(cast)
+
+    def _restore(self, weights: Weights, version: int) -> None:
+        tensors = weights.to_tensors()
+        params = dict(self.model.named_parameters())
+        if set(tensors) != set(params):
+            raise ConfigError("the stored version does not fit the module (different tensors)", path="model")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(tensors[n].to(p.dtype))
+        self.version = version
+
+    def _tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        if self.topo.task.chat:
+            return tuple(self.tok.chat(prompt.text, getattr(self.task, "system_prompt", None)))
+        return tuple(self.tok.encode(prompt.text))
+
+    def _vocab(self) -> int:
+        emb: Callable[[], Any] | None = getattr(self.model, "get_input_embeddings", None)
+        if emb is not None:
+            return int(emb().num_embeddings)
+        return len(self.tok.hf)
+
+    def _run(self, started: threading.Event) -> None:
+        from aurora.node import run_node
+
+        async def main() -> None:
+            self._aio = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            learner = _Handover(self, self.spec, self._vocab())
+
+            def observe(node: Any) -> None:
+                self._node = node
+                started.set()
+
+            await run_node(
+                self.topo,
+                plan(self.topo, self.file),
+                self.name,
+                self._stop,
+                file=self.file,
+                store=self.store,
+                observe=observe,
+                insecure=self.insecure,
+                learner=learner,
+            )
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001  (raised in your loop's thread, at its next call)
+            self._error = e
+        finally:
+            started.set()
