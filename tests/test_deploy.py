@@ -12,12 +12,14 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from aurora.auth.keys import load_node_keys
+from aurora.auth.pool import check_credential, enroll
 from aurora.cli import main
 from aurora.config.topology import load_topology
 from aurora.deploy import deploy
@@ -57,7 +59,7 @@ keys: {{dir: keys}}
 
 
 def _secrets(keys: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in keys.iterdir() if p.name.endswith(("key_secret", ".sign"))}
+    return {p.name: p.read_bytes() for p in keys.iterdir() if p.name.endswith(("key_secret", ".sign", ".pool"))}
 
 
 def _every_file(root: Path) -> dict[str, bytes]:
@@ -68,7 +70,7 @@ def _every_file(root: Path) -> dict[str, bytes]:
 def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("deploy")
     gpus = "deploy: {gpus: {trainer: 1, rollout: 1}, accelerator: L4, image: reg.example/aurora:cpu}"
-    topo = _topology(tmp, extra=gpus)
+    topo = _topology(tmp, extra=gpus + "\npools: [{name: spot, parents: [relay_eu], max_size: 4}]")
     for target in ("compose", "kubernetes", "skypilot"):
         deploy(topo, target, tmp / target)
     return {t: tmp / t for t in ("compose", "kubernetes", "skypilot")}
@@ -181,6 +183,20 @@ def test_no_node_is_given_another_nodes_secret(outputs: dict[str, Path], tmp_pat
                 vols = d["spec"]["template"]["spec"]["volumes"]
                 names = [v["secret"]["secretName"] for v in vols if "secret" in v]
                 assert names == [f"aurora-deploy-test-{f.stem}-keys"]
+
+
+def test_a_pool_ships_its_public_key_inline_and_its_members_credentials_hold_against_the_bundle(
+    outputs: dict[str, Path],
+) -> None:
+    """The pool's secret key stays with the operator (above: in no output); its public key is in the
+    shipped topology, and a credential enrolled where the secret is checks against that topology."""
+    out = outputs["compose"]
+    original = out.parent / "t.yaml"
+    shipped = out / "bundle" / "topology.yaml"
+    pub = (out.parent / "keys" / "spot.pool_pub").read_text().strip()
+    assert load_topology(shipped).pool("spot").key == pub
+    cred = enroll(load_topology(original), str(original), "spot", 3600, time.time())
+    assert check_credential(load_topology(shipped), str(shipped), cred, time.time()).name == "spot"
 
 
 def test_a_node_loads_its_keys_from_the_bundle_and_its_own_secrets_alone(outputs: dict[str, Path]) -> None:

@@ -195,6 +195,10 @@ def build(topo: Topology, file: str, target: Target) -> Deployment:
     bundle.update(_task_files(topo, raw, file))
 
     raw["keys"] = {"dir": "keys", "signing_key_file": f"{SECRET}/{trainer}.sign"}
+    for i, pool in enumerate(topo.pools):  # each pool's public key inline (its secret stays with the operator)
+        if pool.key is None:
+            pub = _read(d / f"{pool.name}.pool_pub", file, f"pool {pool.name!r}'s public key").decode().strip()
+            raw["pools"][i]["key"] = pub
     model_dir = None
     if topo.model is not None and topo.model.path is not None:
         model_dir = Path(topo.model.path) if (Path(topo.model.path) / "config.json").is_file() else None
