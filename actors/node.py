@@ -82,6 +82,7 @@ from aurora.errors import AuroraError, TransportClosed, peer_fault
 from aurora.events import (
     CHILD_ATTACHED,
     EVALUATED,
+    LEASE_EXPIRED,
     PARENT_ATTACHED,
     PARENT_FAILED,
     PARENT_LOST,
@@ -348,15 +349,17 @@ class Node:
         return why
 
     def _left(self, now: float) -> None:
-        """Trainer: forget the members not heard from for the roster's ``hold_s`` (their leases expire as
-        any worker's)."""
+        """Trainer: forget the members not heard from for the roster's ``hold_s``; their leases end at once
+        (their prompts go back to the pool)."""
         assert self.roster is not None
         for gone in self.roster.prune(now):
             self.status.forget(gone)
             self.routes.via.pop(gone, None)
-            if self.pool is not None:
-                self.pool.served.pop(gone, None)
             log.info(POOL_MEMBER_LEFT, member=gone, reason=f"not heard from for {self.roster.hold_s:g} s")
+            if self.pool is not None:  # its prompts go back now, not when their leases run out
+                for e in self.pool.leave(gone, now):
+                    log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
+                self.board.room.set()
 
     def heard_member(self, member: str) -> bool:
         """Trainer: pool member ``member`` was heard from (a report, a work message): does it hold a

@@ -69,6 +69,23 @@ def test_a_results_verdict_does_not_swallow_an_expiry_it_happened_beside() -> No
     assert late.kind == "expired"
 
 
+def test_a_worker_that_leaves_gives_its_prompts_back_at_once() -> None:
+    """A pool member that lost its place (`WorkPool.leave`): its leases end now, reported as expiries,
+    their prompts are leased next, and its result under one of them is refused."""
+    pool = _pool(ttl_s=30.0)
+    held = pool.want("m", 2, 0.0, current=0)
+    assert held
+    gone = pool.leave("m", 1.0)
+    assert sorted(e.lease.item for e in gone) == sorted(p.id for _, p in held)
+    again = pool.want("w", 2, 1.5, current=0)
+    assert sorted(p.id for _, p in again) == sorted(p.id for _, p in held)
+    (lease, prompt) = held[0]
+    late = pool.result("m", prompt.id, lease.token, 0, 0, _ok(), 2.0)
+    assert isinstance(late, Rejected)
+    assert "m" not in pool.served
+    assert pool.leave("nobody", 3.0) == []
+
+
 def test_results_are_gated_by_lease_and_staleness() -> None:
     pool = _pool()
     ((la, pa),) = pool.want("w1", 2, 0.0, current=5)  # a worker not yet measured gets one prompt

@@ -275,6 +275,16 @@ class LeaseTable:
                     w.lapsed = True
                 self._events.append(LeaseExpired(lease))
 
+    def revoke(self, worker: str, now: float) -> None:
+        """``worker`` is gone (a pool member that left): its leases end now as if they had expired —
+        their items go back to the front of the pool, and `events` reports each `LeaseExpired`."""
+        self.tick(now)
+        for it, lease in list(self._current.items()):
+            if lease.worker == worker:
+                self._end(it, lease)
+                self._events.append(LeaseExpired(lease))
+        self._workers.pop(worker, None)
+
     def _end(self, it: Item, lease: Lease) -> None:
         del self._current[it]
         self._past.setdefault(it, set()).add(lease.token)

@@ -411,6 +411,15 @@ class WorkPool:
         self.table.tick(now)
         return self.table.events()
 
+    def leave(self, worker: str, now: float) -> list[LeaseExpired]:
+        """``worker`` is gone for good (a pool member that lost its place): its leases end now and their
+        prompts go back to the pool (returned, with any that expired meanwhile), and what the pool
+        kept about it is forgotten."""
+        self.table.revoke(worker, now)
+        for table in (self.parked, self.asked, self.served):
+            table.pop(worker, None)
+        return self.table.events()
+
     def take(self, n: int, current: int = 0) -> list[tuple[Prompt, Completion]] | None:
         """``n`` accepted results made within ``max_stale`` of version ``current``, oldest version
         first (a newer result can wait for the next step, an older one could not), in order of
