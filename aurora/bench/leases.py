@@ -31,6 +31,8 @@ class Row:
     shares: dict[str, float]
     speed: dict[str, float]
     steps: int
+    stale: dict[str, float]
+    """Each worker's results refused as too stale, as a fraction of all it returned."""
 
     @property
     def worst(self) -> float:
@@ -47,6 +49,8 @@ def simulate(work_s: dict[str, float], train_s: float, batched: bool, seconds: f
         net.add(SimWorker(w, work_s=s, prompts_per_lease=4, batched=batched))
     net.advance(seconds)
     done = [a.worker for a in trainer.log.accepted]
+    refused = [w for _, w, r in trainer.log.rejected if r.kind == "stale"]
+    returned = {w: done.count(w) + sum(1 for _, x, _ in trainer.log.rejected if x == w) for w in work_s}
     fast = {w: 1 / s for w, s in work_s.items()}
     return Row(
         "",
@@ -55,6 +59,7 @@ def simulate(work_s: dict[str, float], train_s: float, batched: bool, seconds: f
         {w: done.count(w) / max(1, len(done)) for w in work_s},
         {w: v / sum(fast.values()) for w, v in fast.items()},
         len(trainer.log.taken),
+        {w: refused.count(w) / max(1, returned[w]) for w in work_s},
     )
 
 
@@ -64,17 +69,21 @@ def bench(seconds: float = 600.0) -> list[Row]:
         for train_s in TRAIN_S:
             for batched in (True, False):
                 r = simulate(work_s, train_s, batched, seconds)
-                rows.append(Row(case, r.train_s, r.batched, r.shares, r.speed, r.steps))
+                rows.append(Row(case, r.train_s, r.batched, r.shares, r.speed, r.steps, r.stale))
     return rows
 
 
 def render(rows: list[Row], seconds: float) -> str:
     lines = [
         f"aurora bench leases: the shipped WorkPool in the lease simulation, {seconds:.0f} s simulated each",
-        f"{'workers':<8} {'learner s':>9} {'engine':>10} {'steps':>6}  shares of the results (speed's share)  worst gap",
+        f"{'workers':<8} {'learner s':>9} {'engine':>10} {'steps':>6}  shares of the results (speed's share) "
+        "[returned too stale]  worst gap",
     ]
     for r in rows:
-        parts = "  ".join(f"{w} {r.shares[w]:.3f} ({r.speed[w]:.3f})" for w in r.shares)
+        parts = "  ".join(
+            f"{w} {r.shares[w]:.3f} ({r.speed[w]:.3f})" + (f" [{100 * r.stale[w]:.0f} %]" if r.stale[w] else "")
+            for w in r.shares
+        )
         engine = "batched" if r.batched else "per-prompt"
         lines.append(f"{r.case:<8} {r.train_s:>9.1f} {engine:>10} {r.steps:>6}  {parts}  {100 * r.worst:.0f} %")
     return "\n".join(lines)
