@@ -73,7 +73,7 @@ from aurora.actors.work import (
 from aurora.transport.base import Channel, Transport
 
 from aurora.auth.keys import OPERATOR, NodeKeys
-from aurora.auth.pool import check_cert
+from aurora.auth.pool import Revocations, check_cert
 from aurora.auth.seal import SealVerifier
 from aurora.codec import Weights
 from aurora.config.plan import Tree
@@ -254,6 +254,8 @@ class Node:
             else None
         )
         """The trainer's: each pool's members (`aurora.protocol.roster`)."""
+        self.revocations: Revocations | None = None
+        """The pools' revocation files (at a pool's parents and the trainer: `aurora.node` opens them)."""
         self.cert: MemberCert | None = None
         """A pool member's certificate, shown with its hello."""
         self._admissions: dict[str, tuple[asyncio.Event, list[Admitted]]] = {}
@@ -301,7 +303,7 @@ class Node:
             return "a pool member shows its certificate with its hello"
         if key is not None and cert.key != key:
             return "its certificate is of another key than the one it connected with"
-        why = check_cert(cert, member, self.name, self.pools, self.pool_keys, time.time())
+        why = check_cert(cert, member, self.name, self.pools, self.pool_keys, time.time(), self._revoked(cert.pool))
         if why is not None:
             return f"its certificate {why}"
         if probe:
@@ -339,7 +341,7 @@ class Node:
         now = self.clock.now()
         self._left(now)
         had = self.roster.holds(member)
-        why = check_cert(cert, member, parent, self.pools, self.pool_keys, time.time())
+        why = check_cert(cert, member, parent, self.pools, self.pool_keys, time.time(), self._revoked(cert.pool))
         why = f"its certificate {why}" if why is not None else self.roster.join(member, now)
         if why is not None:
             if (suppressed := _quiet.allow(f"member/{member}", now)) is not None:
@@ -353,13 +355,19 @@ class Node:
         (their prompts go back to the pool)."""
         assert self.roster is not None
         for gone in self.roster.prune(now):
-            self.status.forget(gone)
-            self.routes.via.pop(gone, None)
-            log.info(POOL_MEMBER_LEFT, member=gone, reason=f"not heard from for {self.roster.hold_s:g} s")
-            if self.pool is not None:  # its prompts go back now, not when their leases run out
-                for e in self.pool.leave(gone, now):
-                    log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
-                self.board.room.set()
+            self._leave(gone, now, f"not heard from for {self.roster.hold_s:g} s")
+
+    def _leave(self, member: str, now: float, reason: str) -> None:
+        """Trainer: ``member`` has no place any more; its leases end now (its prompts go back to the pool)."""
+        assert self.roster is not None
+        self.roster.remove(member)
+        self.status.forget(member)
+        self.routes.via.pop(member, None)
+        log.info(POOL_MEMBER_LEFT, member=member, reason=reason)
+        if self.pool is not None:  # its prompts go back now, not when their leases run out
+            for e in self.pool.leave(member, now):
+                log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
+            self.board.room.set()
 
     def heard_member(self, member: str) -> bool:
         """Trainer: pool member ``member`` was heard from (a report, a work message): does it hold a
@@ -369,7 +377,13 @@ class Node:
             return False
         now = self.clock.now()
         self._left(now)
+        pool = self.rules.pool_of(member)
+        if pool is not None and member in self._revoked(pool) and self.roster.holds(member):
+            self._leave(member, now, "its credential was revoked")
         return self.roster.holds(member) and self.roster.seen(member, now)
+
+    def _revoked(self, pool: str) -> frozenset[str]:
+        return self.revocations.of(pool) if self.revocations is not None else frozenset()
 
     async def evict(self, member: str, via: Channel) -> None:
         """Trainer: tell pool member ``member``, whose message came through child ``via`` and which holds

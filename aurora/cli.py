@@ -190,7 +190,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("keys", help="CurveZMQ and signing keys", description="Make the keys a topology uses.")
-    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate,enroll}")
+    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{generate,enroll,revoke}")
     g = ks.add_parser(
         "generate",
         help="write new key pairs: one, or every key a topology needs",
@@ -214,12 +214,23 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "the key directory, so run this where that secret is), valid for --ttl. The credential file "
         "(JSON, mode 0600, never overwritten) is all a member machine needs besides the topology and "
         "the public keys: `aurora node --topology T --pool POOL --credential FILE`. The member's name "
-        "is POOL. and 16 hex digits of its key's hash (printed). Revoke one by listing its name in "
-        "pools[].revoked (its parents read that at start).",
+        "is POOL. and 16 hex digits of its key's hash (printed). Revoke one with `aurora keys revoke`.",
     )
     e.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     e.add_argument("--pool", required=True, help="the pool the member joins")
     e.add_argument("-o", "--output", type=Path, required=True, help="the credential file to write")
+    r = ks.add_parser(
+        "revoke",
+        help="revoke pool members' credentials",
+        description="Add members to the pool's revocation file, keys.dir/POOL.revoked (one name a line). "
+        "The trainer and the pool's parents read it again whenever it changes: a revoked member is "
+        "refused at its next hello, and one that is attached loses its place at its next work message "
+        "(the trainer evicts it). On a deployment, the file must be where the trainer's key directory "
+        "is. The topology's pools[].revoked revokes too (read at start).",
+    )
+    r.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
+    r.add_argument("--pool", required=True, help="the pool")
+    r.add_argument("members", nargs="+", help="member names (POOL. and 16 hex digits, as enroll printed them)")
     e.add_argument(
         "--ttl",
         default="7d",
@@ -1113,6 +1124,22 @@ def cmd_keys_enroll(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from aurora.auth.pool import revoke
+    from aurora.config.topology import load_topology
+
+    topo = load_topology(args.topology)
+    try:
+        path, new = revoke(topo, str(args.topology), args.pool, list(args.members))
+    except OSError as e:
+        raise AuroraError(f"cannot write the revocation file: {e}") from None
+    kept = len(set(args.members)) - len(new)
+    print(
+        f"{path}: revoked {len(new)} member{'' if len(new) == 1 else 's'}" + (f" ({kept} already were)" if kept else "")
+    )
+    return 0
+
+
 def cmd_keys_generate(args: argparse.Namespace) -> int:
     import re
 
@@ -1169,6 +1196,7 @@ COMMANDS = {
     ("model", "fetch"): cmd_model_fetch,
     ("keys", "generate"): cmd_keys_generate,
     ("keys", "enroll"): cmd_keys_enroll,
+    ("keys", "revoke"): cmd_keys_revoke,
     ("topology", "check"): cmd_topology_check,
     ("node", None): cmd_node,
     ("run", None): cmd_run,

@@ -38,7 +38,7 @@ from aurora.actors.node import (
 )
 from aurora.actors.work import Coordinator, Worker
 from aurora.auth.keys import exposed_nodes, load_member_keys, load_node_keys
-from aurora.auth.pool import Credential, member_name, pool_verifiers
+from aurora.auth.pool import Credential, Revocations, member_name, pool_verifiers
 from aurora.auth.seal import Sealer, state_hash, weights_layout
 from aurora.codec import Weights
 from aurora.codec.warm import warm_up
@@ -141,6 +141,7 @@ async def run_node(
         node.cert = credential.cert
     if (pools_here or spec.role == "trainer") and topo.pools and keys.secure:
         node.pool_keys = pool_verifiers(topo, file)  # a pool's parents check members' certificates, the trainer again
+        node.revocations = Revocations(topo, file)
     await in_thread(warm_up)  # compile/load the codec kernels now, not during the first version
     if spec.role == "trainer":
         await open_trainer(node, store, learner)

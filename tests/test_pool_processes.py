@@ -3,7 +3,8 @@
 Two members join mid-run; a third finds the pool full and is refused; one member is killed with
 SIGKILL, its place frees and the third, with its fresh credential, takes it and gets work. A key
 with no certificate, one whose certificate another key signed, and an expired credential are
-refused at the hello by the running parent; a compromised relay (the test plays one) cannot make a
+refused at the hello by the running parent, and so is a member revoked while it works (after the
+trainer takes its place); a compromised relay (the test plays one) cannot make a
 member of a forged certificate nor get work for a member without a place, and a channel that says
 nothing is closed. `aurora status` lists the members. The run completes:
 no prompt accepted twice, versions in order, and every node that stayed — the members too — ends
@@ -234,7 +235,23 @@ def test_members_join_leave_and_are_refused_and_the_run_completes(cluster: Clust
     wait_until(lambda: any(e["member"] == m1 for e in c.ev("trainer", POOL_MEMBER_LEFT)), 30, "m1's place to free")
     wait_until(lambda: m3 in joined() and c.ev(m3, WORK_STARTED), 60, "the third member to join and get work")
 
-    stayed = [*NAMED[1:], m2, m3]
+    # an operator revokes m2 while it works: it loses its place at its next work message, and is
+    # refused at its next hello
+    out = subprocess.run(
+        [sys.executable, "-m", "aurora", "keys", "revoke", "--topology", str(c.topo_path), "--pool", "spot", m2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    wait_until(
+        lambda: any(e["member"] == m2 and "revoked" in e["reason"] for e in c.ev("trainer", POOL_MEMBER_LEFT)),
+        30,
+        "m2 to lose its place",
+    )
+    wait_until(lambda: any("revoked" in e["reason"] for e in c.ev(m2, "parent_refused")), 30, "m2 to be refused")
+
+    stayed = [*NAMED[1:], m3]
     wait_until(lambda: all(c.version(n) >= STEPS for n in stayed), 240, f"version {STEPS} everywhere")
     lives = {n: [log_events(c.logs[n])] for n in ["trainer", *stayed]}
     for n in ["trainer", *stayed]:

@@ -21,12 +21,14 @@ from hypothesis import strategies as st
 from aurora.auth.keys import generate_topology_keys
 from aurora.auth.pool import (
     Credential,
+    Revocations,
     check_cert,
     check_credential,
     enroll,
     member_name,
     pool_verifiers,
     read_credential,
+    revoke,
     write_credential,
 )
 from aurora.config.topology import load_topology
@@ -144,6 +146,28 @@ def test_a_revoked_member_is_refused(tmp_path: Path) -> None:
     why = check_cert(cred.cert, cred.name, "relay", {"spot": topo.pool("spot")}, pool_verifiers(topo, str(path)), NOW)
     assert why is not None
     assert "revoked" in why
+
+
+def test_revocations_are_read_again_when_the_file_changes(topo_file: Path) -> None:
+    topo = load_topology(topo_file)
+    cred = enroll(topo, str(topo_file), "spot", 3600, NOW)
+    revs = Revocations(topo, str(topo_file))
+    pools, keys = {"spot": topo.pool("spot")}, pool_verifiers(topo, str(topo_file))
+    assert revs.of("spot") == frozenset()
+    path, new = revoke(topo, str(topo_file), "spot", [cred.name, cred.name])
+    assert new == [cred.name]
+    assert revs.of("spot") == {cred.name}
+    why = check_cert(cred.cert, cred.name, "relay", pools, keys, NOW, revs.of("spot"))
+    assert why is not None
+    assert "revoked" in why
+    assert revoke(topo, str(topo_file), "spot", [cred.name])[1] == []
+    path.write_text("# nobody\n")
+    os.utime(path, ns=(1, 1))  # a new mtime, whatever the clock's resolution
+    assert revs.of("spot") == frozenset()
+    path.unlink()
+    assert revs.of("spot") == frozenset()
+    with pytest.raises(ConfigError, match="not a member name"):
+        revoke(topo, str(topo_file), "spot", ["rollout-1"])
 
 
 def test_a_credential_file_is_private_whole_and_never_overwritten(topo_file: Path, tmp_path: Path) -> None:

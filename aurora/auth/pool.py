@@ -39,11 +39,14 @@ from aurora.config.topology import PoolSpec, Topology
 from aurora.errors import ConfigError
 from aurora.protocol.messages import MemberCert
 from aurora.protocol.roster import MEMBER_HASH_HEX, member_pool
+from aurora.store.atomic import write_bytes
 
 CREDENTIAL_FORMAT = "aurora-pool-credential/1"
 _SIGNED = b"aurora pool member v1\x00"
 """Domain separation: a pool key's signature over a member certificate means nothing else."""
 MAX_CREDENTIAL_BYTES = 4096
+MAX_REVOKED_BYTES = 1 << 20
+"""A revocation file is read up to this size (some 30,000 member names)."""
 
 
 def member_name(pool: str, key: bytes) -> str:
@@ -183,6 +186,65 @@ def check_credential(topo: Topology, file: str | None, cred: Credential, now: fl
     return spec
 
 
+class Revocations:
+    """Each pool's revocation file, ``keys.dir/POOL.revoked`` (one member name a line; ``#`` comments),
+    read again whenever it changes: an operator revokes a member while the cluster runs (``aurora keys
+    revoke``), besides the topology's ``pools[].revoked``. A file that is missing revokes no one; one
+    that cannot be read keeps what was last read from it."""
+
+    def __init__(self, topo: Topology, file: str | None) -> None:
+        d = key_dir(topo, file)
+        self.paths = {} if d is None else {p.name: d / f"{p.name}.revoked" for p in topo.pools}
+        self.static = {p.name: frozenset(p.revoked) for p in topo.pools}
+        self._read: dict[str, tuple[float, frozenset[str]]] = {}
+
+    def of(self, pool: str) -> frozenset[str]:
+        """The members of ``pool`` revoked now."""
+        path = self.paths.get(pool)
+        extra: frozenset[str] = frozenset()
+        if path is not None:
+            try:
+                mtime = path.stat().st_mtime_ns
+            except OSError:
+                mtime = None
+            if mtime is None:
+                self._read.pop(pool, None)
+            else:
+                cached = self._read.get(pool)
+                if cached is None or cached[0] != mtime:
+                    names = read_revoked(path)
+                    self._read[pool] = (mtime, names if names is not None else (cached[1] if cached else frozenset()))
+                extra = self._read[pool][1]
+        return self.static.get(pool, frozenset()) | extra
+
+
+def read_revoked(path: Path) -> frozenset[str] | None:
+    """The member names in a revocation file (None: it cannot be read)."""
+    try:
+        text = path.read_bytes()[:MAX_REVOKED_BYTES].decode(errors="replace")
+    except OSError:
+        return None
+    return frozenset(line.split("#", 1)[0].strip() for line in text.splitlines()) - {""}
+
+
+def revoke(topo: Topology, file: str | None, pool: str, members: list[str]) -> tuple[Path, list[str]]:
+    """Add ``members`` to ``pool``'s revocation file (written whole, atomically); returns the file and
+    the names that were not in it yet. Raises `ConfigError` for a name that is no member of the pool."""
+    spec = _pool(topo, pool, file)
+    for m in members:
+        if member_pool(m, {spec.name: spec}) != spec.name:
+            raise ConfigError(f"{m!r} is not a member name of pool {pool!r} (POOL. and 16 hex digits)", file=file)
+    d = key_dir(topo, file)
+    if d is None:
+        raise ConfigError("the topology names no key directory (keys: {dir: ...})", file=file, path="keys.dir")
+    path = d / f"{spec.name}.revoked"
+    have = read_revoked(path) or frozenset()
+    new = [m for m in dict.fromkeys(members) if m not in have]
+    text = path.read_text() if path.exists() else f"# members of pool {spec.name} refused (aurora keys revoke)\n"
+    write_bytes(path, (text + "".join(m + "\n" for m in new)).encode())
+    return path, new
+
+
 def check_cert(
     cert: MemberCert,
     member: str,
@@ -190,8 +252,10 @@ def check_cert(
     pools: Mapping[str, PoolSpec],
     verifiers: Mapping[str, Ed25519PublicKey],
     now: float,
+    revoked: frozenset[str] = frozenset(),
 ) -> str | None:
-    """Why ``member``'s certificate does not let it attach under ``parent`` at ``now`` (None: it does)."""
+    """Why ``member``'s certificate does not let it attach under ``parent`` at ``now`` (None: it does).
+    ``revoked``: members revoked besides the topology's ``pools[].revoked`` (`Revocations`)."""
     spec = pools.get(cert.pool)
     if spec is None or member_pool(member, pools) != cert.pool:
         return f"is for pool {cert.pool!r}, which {member!r} is no member of here"
@@ -205,18 +269,20 @@ def check_cert(
         return f"is not signed by pool {cert.pool!r}'s key"
     if cert.expires <= now:
         return f"expired {now - cert.expires:.0f} s ago"
-    if member in spec.revoked:
-        return f"of {member!r} is revoked (pools[].revoked)"
+    if member in spec.revoked or member in revoked:
+        return f"of {member!r} is revoked"
     return None
 
 
 __all__ = [
     "Credential",
+    "Revocations",
     "check_cert",
     "check_credential",
     "enroll",
     "member_name",
     "pool_verifiers",
     "read_credential",
+    "revoke",
     "write_credential",
 ]

@@ -77,6 +77,12 @@ class PoolRoster:
         """``member`` was heard from: True if it holds a place (kept, or given while there is room)."""
         return self.join(member, now) is None
 
+    def remove(self, member: str) -> None:
+        """``member`` has no place any more (it left, or was revoked)."""
+        pool = self.pool_of(member)
+        if pool is not None:
+            self.heard[pool].pop(member, None)
+
     def holds(self, member: str) -> bool:
         pool = self.pool_of(member)
         return pool is not None and member in self.heard[pool]
