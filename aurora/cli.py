@@ -219,6 +219,12 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     e.add_argument("--pool", required=True, help="the pool the member joins")
     e.add_argument("-o", "--output", type=Path, required=True, help="the credential file to write")
+    e.add_argument(
+        "--ttl",
+        default="7d",
+        metavar="DURATION",
+        help="how long the credential is valid: seconds, or with a unit s, m, h, d (default 7d)",
+    )
     r = ks.add_parser(
         "revoke",
         help="revoke pool members' credentials",
@@ -231,12 +237,6 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     r.add_argument("--pool", required=True, help="the pool")
     r.add_argument("members", nargs="+", help="member names (POOL. and 16 hex digits, as enroll printed them)")
-    e.add_argument(
-        "--ttl",
-        default="7d",
-        metavar="DURATION",
-        help="how long the credential is valid: seconds, or with a unit s, m, h, d (default 7d)",
-    )
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

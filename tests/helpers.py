@@ -13,7 +13,7 @@ import torch
 
 from aurora.codec import Weights
 from aurora.codec.dtypes import BY_NAME, tensor_from_bits
-from aurora.logs import read_events as log_events  # noqa: F401  # the tests' name for it
+from aurora.logs import read_events as log_events  # the tests' name for it
 
 
 def tensor_from_raw(dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
@@ -54,6 +54,19 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def events_in(log: Path, event: str) -> list[dict[str, Any]]:
+    """The ``event`` events of a node's log (none while the file does not exist)."""
+    return [e for e in log_events(log) if e["event"] == event] if log.exists() else []
+
+
+def version_in(log: Path, trainer: bool) -> int:
+    """The newest version a node's log says it published (the trainer) or committed (-1: none yet)."""
+    from aurora.events import VERSION_COMMITTED, VERSION_PUBLISHED
+
+    key = VERSION_PUBLISHED if trainer else VERSION_COMMITTED
+    return max((e["version"] for e in events_in(log, key)), default=-1)
 
 
 def wait_until(cond: Callable[[], Any], timeout_s: float, what: str) -> None:

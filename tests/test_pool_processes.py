@@ -40,13 +40,11 @@ from aurora.events import (
     POOL_MEMBER_LEFT,
     POOL_MEMBER_REFUSED,
     RESULT_ACCEPTED,
-    VERSION_COMMITTED,
-    VERSION_PUBLISHED,
     WORK_STARTED,
 )
 from aurora.protocol.messages import Admitted, Hello, Join, Lane, MemberCert, PathUpdate, Refused, Want
 from aurora.runtime.processes import node_argv
-from tests.helpers import free_ports, log_events, wait_until
+from tests.helpers import events_in, free_ports, log_events, version_in, wait_until
 
 STEPS = 150
 NAMED = ["trainer", "relay", "rollout-1"]
@@ -103,11 +101,10 @@ class Cluster:
         return cred.name
 
     def ev(self, name: str, event: str) -> list[dict[str, Any]]:
-        return [e for e in log_events(self.logs[name]) if e["event"] == event] if name in self.logs else []
+        return events_in(self.logs[name], event) if name in self.logs else []
 
     def version(self, name: str) -> int:
-        key = VERSION_PUBLISHED if name == "trainer" else VERSION_COMMITTED
-        return max((e["version"] for e in self.ev(name, key)), default=-1)
+        return version_in(self.logs[name], name == "trainer") if name in self.logs else -1
 
 
 @pytest.fixture

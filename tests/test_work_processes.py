@@ -34,7 +34,7 @@ from aurora.events import (
     WORK_STARTED,
 )
 from aurora.runtime.processes import node_argv
-from tests.helpers import free_ports, log_events, wait_until
+from tests.helpers import events_in, free_ports, log_events, version_in, wait_until
 
 STEPS = 80
 NAMES = ["trainer", "relay", "rollout-1", "rollout-2", "rollout-3"]
@@ -105,11 +105,10 @@ class Cluster:
         return held
 
     def ev(self, name: str, event: str) -> list[dict[str, Any]]:
-        return [e for e in log_events(self.logs[name]) if e["event"] == event]
+        return events_in(self.logs[name], event) if name in self.logs else []
 
     def version(self, name: str) -> int:
-        key = VERSION_PUBLISHED if name == "trainer" else VERSION_COMMITTED
-        return max((e["version"] for e in self.ev(name, key)), default=-1)
+        return version_in(self.logs[name], name == "trainer") if name in self.logs else -1
 
 
 @pytest.fixture
