@@ -552,7 +552,8 @@ class PublisherActor(Actor):
         checks = {"validate_us": round(1e6 * board.validate_s / board.results, 2) if board.results else None}
         rollouts = self.status.rollout_figures()
         self.status.step = {"version": v, **stats, **flow.last_published, **self.status.evaluated}
-        log.info(STEP, version=v, results=results, **stats, **self.pool.stats(), **checks, **rollouts)
+        # the node's own figures win over a learner's stat of the same name (a training loop's own, say)
+        log.info(STEP, **{**stats, "version": v, "results": results, **self.pool.stats(), **checks, **rollouts})
         self.tracker.record(v, {**stats, **flow.last_published, **rollouts})
 
 

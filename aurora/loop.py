@@ -21,15 +21,20 @@ coordinator's result rules), their texts and their rewards under the topology's 
 the module's ``named_parameters`` cast to bf16, under their names (the names the rollouts' model
 directory uses); version 0 is the module as given, or the store's newest when it resumes.
 
-Invariants: a version is published only from your loop's `publish` (one per batch, in order); the
-node's thread ends when the loop is left (an exception in the node is raised in your loop, at
-`batches`, `publish` or the end of the ``with``); nothing of your model is read except in `publish`
-and at the start, in your loop's thread.
+Invariants: a version is published only from your loop's `publish` (one per batch, in order), as a
+copy of the module's parameters; the node's thread ends when the loop is left (also at interpreter
+exit, and on an exception in your loop, which is never hidden by one of the node's); an exception in
+the node is raised in your loop, at `batches`, `publish` or the end of the ``with``; your model is
+read at the start and in `publish` (your thread), and written only at a resume (the node's thread,
+before the first batch); your tokenizer is never used by the node (it uses a copy, under a lock).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
+import copy
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +54,22 @@ from aurora.rl.tasks import make_task
 from aurora.rl.types import Completion, Prompt
 
 POLL_S = 0.2
-"""How often a wait in your loop looks whether the node has failed."""
+"""How often a wait looks whether the other side has failed or closed."""
+
+
+def _scalar(key: object, v: object) -> bool | int | float | str | None:
+    """A stat as the step log takes it: a number, a short string, or a one-element tensor or array."""
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    item = getattr(v, "item", None)
+    if item is not None:
+        try:
+            got = item()
+        except (ValueError, RuntimeError):
+            got = None
+        if isinstance(got, bool | int | float):
+            return got
+    raise AuroraError(f"stat {key!r}: {type(v).__name__} is not a number or a string")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +107,22 @@ class _Handover:
         return self.owner._weights()
 
     def step(self, batch: Sequence[Any]) -> Weights:
-        self.owner._batches.put(list(batch))
-        got = self.owner._versions.get()
-        if got is None:
-            raise LearnerError("the training loop stopped")
-        weights, stats = got
-        self.stats = stats
-        return weights
+        """In the node's worker thread: the groups (texts and rewards made here) to the loop, then wait
+        for its version; a loop that closes ends the wait (`LearnerError`)."""
+        owner = self.owner
+        owner._batches.put([owner._group(p, c) for p, c in batch])
+        while True:
+            if owner._closing.is_set():
+                raise LearnerError("the training loop stopped")
+            try:
+                got = owner._versions.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if got is None:
+                raise LearnerError("the training loop stopped")
+            weights, stats = got
+            self.stats = stats
+            return weights
 
     def evaluate(self, version: int) -> dict[str, Any] | None:
         return None
@@ -113,10 +142,14 @@ class TrainerLoop:
     """A trainer node driven by your training loop (see the module docstring).
 
     ``topology``: the topology file; its ``learner`` section is ``{kind: loop, prompts_per_step,
-    group_size}``. ``model``: the module you train (a ``torch.nn.Module``, or an FSDP-wrapped one whose
-    ``named_parameters`` are whole on this process). ``tokenizer``: a ``transformers`` tokenizer (or
-    `aurora.rl.model.Tokenizer`) of the rollouts' model. ``store``: the trainer's version store (it
-    resumes from its newest version). ``name``: the trainer's node name (default: the topology's)."""
+    group_size}``. ``model``: the module you train (a ``torch.nn.Module`` whose ``named_parameters`` are
+    the rollouts' model's tensor names, checked at start; an FSDP-sharded module is not supported
+    yet). ``tokenizer``: a ``transformers`` tokenizer (or `aurora.rl.model.Tokenizer`) of the rollouts'
+    model; the node uses a copy of its own. ``store``: the trainer's version store: a loop started
+    again resumes from its newest version, and the module's parameters are set to that version's
+    (bf16) values — keep your own checkpoints of fp32 weights and optimiser state, and load them
+    after `start` (``version`` says which). ``name``: the trainer's node name (default: the
+    topology's)."""
 
     def __init__(
         self,
@@ -142,14 +175,21 @@ class TrainerLoop:
         if self.topo.node(self.name).role != "trainer":
             raise ConfigError(f"{self.name!r} is not the trainer", file=self.file)
         self.model = model
-        self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+        hf = tokenizer.hf if isinstance(tokenizer, Tokenizer) else tokenizer
+        self.tok = Tokenizer(copy.deepcopy(hf))  # the node's own copy: yours stays yours, in your thread
+        self._tok_lock = threading.Lock()
+        """The node's threads (its event loop's, the worker's that hands batches over) share its copy."""
         self.task = make_task(self.topo.task)
+        self._check_names()
         self.store = None if store is None else Path(store)
         self.insecure = insecure
         self.steps = self.topo.run.steps
+        self.sync_wait_s = 60.0
+        """Leaving the ``with`` normally waits up to this long for every node to hold the last version."""
         self.version = 0
         """The version the module's weights are: the last published (or resumed from)."""
-        self._batches: queue.Queue[list[tuple[Prompt, Completion]]] = queue.Queue()
+        self._batches: queue.Queue[list[Group]] = queue.Queue()
+        self._closing = threading.Event()
         self._versions: queue.Queue[tuple[Weights, dict[str, Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -164,16 +204,23 @@ class TrainerLoop:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close(wait_synced_s=60.0 if exc[0] is None else 0.0)
+        ok = exc[0] is None
+        self.close(wait_synced_s=self.sync_wait_s if ok else 0.0, raise_errors=ok)  # never hides your error
 
     def start(self) -> None:
-        """Start the trainer node (in its own thread); returns once it serves, or raises why it cannot."""
+        """Start the trainer node (in its own thread); returns once it listens and its actors run, or
+        raises why it cannot (a port in use, a store it cannot resume from, ...)."""
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="aurora-trainer", daemon=True)
-        self._thread.start()
-        while not started.wait(POLL_S):
+        atexit.register(self._abandon)
+        try:
+            self._thread.start()
+            while not started.wait(POLL_S):
+                self._check()
             self._check()
-        self._check()
+        except BaseException:
+            self.close(raise_errors=False)
+            raise
 
     def batches(self) -> Iterator[list[Group]]:
         """Each step's batch of accepted groups, until the run's ``run.steps`` versions are published;
@@ -183,7 +230,7 @@ class TrainerLoop:
                 raise AuroraError("publish() the version of the last batch before taking another")
             batch = self._get()
             self._waiting = True
-            yield [self._group(p, c) for p, c in batch]
+            yield batch
 
     def publish(self, stats: dict[str, Any] | None = None) -> int:
         """The module's parameters, cast to bf16, become the next version (with ``stats`` in the trainer's
@@ -191,10 +238,10 @@ class TrainerLoop:
         if not self._waiting:
             raise AuroraError("publish() follows a batch from batches()")
         self._check()
+        clean = {str(k): _scalar(k, v) for k, v in (stats or {}).items()}
         weights = self._weights()
         self._waiting = False
         self.version += 1
-        clean = {k: v for k, v in (stats or {}).items() if isinstance(v, bool | int | float | str | None)}
         self._versions.put((weights, clean))
         return self.version
 
@@ -203,25 +250,43 @@ class TrainerLoop:
         node = self._node
         return node is not None and self.version in node.status.sync_s
 
-    def close(self, wait_synced_s: float = 0.0) -> None:
-        """Stop the node (after waiting up to ``wait_synced_s`` for every node to hold the last version)."""
-        if self._thread is None:
+    def close(self, wait_synced_s: float = 0.0, *, raise_errors: bool = True) -> None:
+        """Stop the node, after waiting up to ``wait_synced_s`` for every node to hold the last version.
+        Raises (with ``raise_errors``) what stopped the node, or a node that published other versions
+        than this loop did."""
+        thread = self._thread
+        if thread is None:
             return
-        deadline = threading.Event()
-        waited = 0.0
-        while wait_synced_s > waited and self._error is None and self._thread.is_alive() and not self.synced():
-            deadline.wait(POLL_S)
-            waited += POLL_S
-        self._versions.put(None)  # a publisher waiting for a version stops waiting
-        if self._aio is not None and self._stop is not None:
-            self._aio.call_soon_threadsafe(self._stop.set)
-        self._thread.join()
-        self._thread = None
+        try:
+            pause = threading.Event()
+            waited = 0.0
+            while wait_synced_s > waited and self._error is None and thread.is_alive() and not self.synced():
+                pause.wait(POLL_S)
+                waited += POLL_S
+        finally:
+            self._abandon()
+            thread.join()
+            self._thread = None
+            atexit.unregister(self._abandon)
+        if not raise_errors:
+            return
         if self._error is not None and not isinstance(self._error, LearnerError):
             raise AuroraError(f"the trainer node failed: {self._error}") from self._error
+        published = None if self._node is None else self._node.flow.version
+        if published is not None and published != self.version:
+            raise AuroraError(f"the trainer node holds version {published}, but this loop published {self.version}")
+
+    def _abandon(self) -> None:
+        """Stop without waiting: the publisher's wait for a version ends, and the node stops."""
+        self._closing.set()
+        self._versions.put(None)
+        aio, stop = self._aio, self._stop
+        if aio is not None and stop is not None and not aio.is_closed():
+            with contextlib.suppress(RuntimeError):  # its loop ended meanwhile
+                aio.call_soon_threadsafe(stop.set)
 
     # ---------------------------------------------------------------- the handover
-    def _get(self) -> list[tuple[Prompt, Completion]]:
+    def _get(self) -> list[Group]:
         while True:
             self._check()
             try:
@@ -236,13 +301,19 @@ class TrainerLoop:
             raise AuroraError("the trainer node stopped")
 
     def _group(self, prompt: Prompt, completion: Completion) -> Group:
-        texts = [self.tok.decode(s.tokens) for s in completion.samples]
+        with self._tok_lock:
+            texts = [self.tok.decode(s.tokens) for s in completion.samples]
         rewards = [float(self.task.score(prompt, t).reward) for t in texts]
         return Group(prompt, completion, texts, rewards)
 
     def _weights(self) -> Weights:
+        """The module's parameters cast to bf16, in memory of their own (never the module's: a version
+        must not change when your optimiser steps)."""
         with torch.no_grad():
-            cast = {n: p.detach().to(torch.bfloat16).cpu() for n, p in self.model.named_parameters()}
+            cast = {
+                n: p.detach().to(device="cpu", dtype=torch.bfloat16, copy=True)
+                for n, p in self.model.named_parameters()
+            }
         bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
         if bad:
             raise LearnerError(f"the module holds non-finite values (first in {bad[0]!r}); not published")
@@ -259,9 +330,41 @@ class TrainerLoop:
         self.version = version
 
     def _tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        if self.topo.task.chat:
-            return tuple(self.tok.chat(prompt.text, getattr(self.task, "system_prompt", None)))
-        return tuple(self.tok.encode(prompt.text))
+        with self._tok_lock:
+            if self.topo.task.chat:
+                return tuple(self.tok.chat(prompt.text, getattr(self.task, "system_prompt", None)))
+            return tuple(self.tok.encode(prompt.text))
+
+    def _check_names(self) -> None:
+        """The module's parameter names are the rollouts' model's tensor names (a prefix from a wrapper —
+        ``module.``, ``_orig_mod.`` — would make every version one no rollout can take)."""
+        spec = self.topo.model
+        if spec is None or spec.path is None:
+            return
+        d = Path(spec.resolved(self.file).directory())
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            return
+        from safetensors import safe_open
+
+        want: set[str] = set()
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                want |= set(st.keys())
+        have = {n for n, _ in self.model.named_parameters()}
+        if have != want:
+            extra, missing = sorted(have - want), sorted(want - have)
+            raise ConfigError(
+                f"the module's parameters are not the tensors of the model in {d}: "
+                + (f"not in the model: {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; " if extra else "")
+                + (
+                    f"not in the module: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+                    if missing
+                    else ""
+                ),
+                file=self.file,
+                path="model",
+            )
 
     def _vocab(self) -> int:
         emb: Callable[[], Any] | None = getattr(self.model, "get_input_embeddings", None)
@@ -279,7 +382,6 @@ class TrainerLoop:
 
             def observe(node: Any) -> None:
                 self._node = node
-                started.set()
 
             await run_node(
                 self.topo,
@@ -291,6 +393,7 @@ class TrainerLoop:
                 observe=observe,
                 insecure=self.insecure,
                 learner=learner,
+                ready=started.set,
             )
 
         try:

@@ -86,9 +86,11 @@ async def run_node(
     bind: str | None = None,
     credential: Credential | None = None,
     learner: Learner | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> None:
     """Run node ``name`` until ``stop`` is set; cancellation-safe (closes its transport).
 
+    ``ready``: called once the node listens and its actors run.
     ``learner``: the trainer's learner, instead of the one the topology's ``learner`` section makes
     (`aurora.loop.TrainerLoop` passes the adapter of a training loop of its own).
     ``credential``: run as a member of the credential's pool (``name`` is then its member name,
@@ -181,6 +183,8 @@ async def run_node(
                     codec_threads=node.threads,
                     authenticated=keys.secure,
                 )
+                if ready is not None:
+                    ready()
                 stopping = asyncio.ensure_future(stop.wait())
                 try:
                     await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -19,6 +19,7 @@ import torch
 
 from aurora.codec import Weights
 from aurora.config.rl import ArithmeticSpec, LoopSpec, ModelSpec
+from aurora.config.topology import load_topology
 from aurora.errors import AuroraError, ConfigError
 from aurora.events import VERSION_COMMITTED
 from aurora.loop import TrainerLoop
@@ -89,7 +90,9 @@ def test_a_loop_of_its_own_publishes_versions_that_rollouts_take_and_resumes_fro
             loss.backward()
             opt.step()
             opt.zero_grad()
-            seen.append(loop.publish({"loss": float(loss.detach()), "note": "mine", "dropped": [1]}))
+            with pytest.raises(AuroraError, match="stat 'bad': list"):
+                loop.publish({"bad": [1]})  # refused before anything changes
+            seen.append(loop.publish({"loss": loss.detach(), "note": "mine", "accepted": 7}))
     assert seen == [1, 2, 3]
     assert loop.synced()
     last = Weights.from_tensors({n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()})
@@ -127,3 +130,31 @@ def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert r.returncode != 0
     assert "aurora.loop.TrainerLoop" in r.stderr
+
+
+def test_a_version_is_a_copy_names_are_checked_and_a_node_that_cannot_start_says_so(tmp_path: Path) -> None:
+    path = _topology(tmp_path, 2)
+    model = build_model(ModelSpec(path=str(tmp_path / "model")))  # bf16: a cast that copies nothing
+    loop = TrainerLoop(path, model, char_tokenizer())
+    w = loop._weights()
+    digest = w.digest()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # what an optimiser step does, in place
+    w.forget_digests()
+    assert w.digest() == digest  # the version did not move with the module
+
+    wrapped = torch.nn.ModuleDict({"module": model})  # a wrapper's prefix: no rollout could take a version
+    with pytest.raises(ConfigError, match=r"not in the model: module\."):
+        TrainerLoop(path, wrapped, char_tokenizer())
+
+    import socket
+
+    with socket.socket() as taken:  # the trainer's port, in use: start() says so, and nothing keeps running
+        port = int(load_topology(path).trainer.listen.rsplit(":", 1)[1])  # type: ignore[union-attr]
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        busy = TrainerLoop(path, model, char_tokenizer())
+        with pytest.raises(AuroraError, match="cannot listen"):
+            busy.start()
+        assert busy._thread is None
