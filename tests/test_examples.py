@@ -83,3 +83,24 @@ def test_the_own_loop_example_drives_the_trainer_from_a_plain_pytorch_loop(tmp_p
     assert versions == list(range(1, 7))
     assert "done: version 6 published, and every node holds it" in r.stdout
     assert not (tmp_path / "own_loop" / ".topology-6.yaml").exists()
+
+
+def test_the_own_learner_example_runs_under_aurora_run_as_grpo_would(tmp_path: Path) -> None:
+    """examples/own_loop/learner.yaml: a learner of its own, made by its `make` factory and driven by
+    `aurora run` through the same interface as the built-in GRPO learner."""
+    shutil.copytree(ROOT / "examples" / "own_loop", tmp_path / "own_loop")
+    path = tmp_path / "own_loop" / "learner.yaml"
+    text = path.read_text().replace("../../runs/models/tiny-0", str(tmp_path / "models" / "tiny-0"))
+    text = text.replace("127.0.0.1:47211", f"127.0.0.1:{free_ports(1)[0]}").replace("steps: 20", "steps: 4")
+    path.write_text(text)
+    state = tmp_path / "state"
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora", "run", str(path), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+    assert [row["version"] for row in rows] == [1, 2, 3, 4]
+    assert all(isinstance(row["loss"], float) and 0 <= row["reward"] <= 1 for row in rows)

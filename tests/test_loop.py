@@ -158,3 +158,25 @@ def test_a_version_is_a_copy_names_are_checked_and_a_node_that_cannot_start_says
         with pytest.raises(AuroraError, match="cannot listen"):
             busy.start()
         assert busy._thread is None
+
+
+@pytest.mark.parametrize(
+    ("module", "factory", "error"),
+    [
+        ("", "nowhere:make", "module 'nowhere' does not load"),
+        ("def other(context):\n    return None\n", "mine:make", "mine has no function 'make'"),
+        ("def make():\n    return None\n", "mine:make", "must take one LearnerContext"),
+        ("def make(context):\n    return object()\n", "mine:make", "lacks batch_size"),
+        ("raise SystemExit(3)\n", "mine:make", "does not load: SystemExit"),
+    ],
+)
+def test_a_learner_factory_that_cannot_make_a_learner_is_named(
+    tmp_path: Path, module: str, factory: str, error: str
+) -> None:
+    """``learner: {kind: python, factory: module:function}``: what goes wrong is one clear error naming it."""
+    if module:
+        (tmp_path / "mine.py").write_text(module)
+    path = _topology(tmp_path, 2, f'{{kind: python, factory: "{factory}"}}')
+    topo = load_topology(path)
+    with pytest.raises(ConfigError, match=error):
+        make_learner(topo.learner, model=topo.model, task=make_task(topo.task), temperature=1.0, checkpoint_dir=None)

@@ -345,7 +345,27 @@ class LoopSpec:
                 raise ConfigError("must be >= 1", path=name)
 
 
-LearnerSpec = SyntheticSpec | GrpoSpec | LoopSpec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PythonSpec:
+    """A learner of your own (`aurora.rl.learners.base.Learner`, the interface the built-in learners
+    implement), made by ``factory`` — ``module:function`` taking a `aurora.rl.learners.base.LearnerContext`,
+    as the built-in learners' own factories do; ``aurora node`` and ``aurora run`` drive it."""
+
+    kind: Literal["python"] = "python"
+    factory: str
+    """``module:function``; the module is looked for first in ``module_dir``."""
+    module_dir: str | None = None
+    """Where ``factory``'s module is looked for first; default the topology file's directory."""
+    options: dict[str, float | str | bool] = field(default_factory=dict)
+    """Passed to the factory as they are (``LearnerContext.options``)."""
+
+    def __post_init__(self) -> None:
+        mod, colon, fn = self.factory.partition(":")
+        if not colon or not mod or not fn.isidentifier():
+            raise ConfigError(f"{self.factory!r} is not module:function", path="factory")
+
+
+LearnerSpec = SyntheticSpec | GrpoSpec | LoopSpec | PythonSpec
 
 
 def resolve_paths(
@@ -361,6 +381,9 @@ def resolve_paths(
     model = model.resolved(file) if model is not None else None
     if isinstance(learner, SyntheticSpec) and learner.model is not None:
         learner = replace(learner, model=learner.model.resolved(file))
+    if isinstance(learner, PythonSpec):
+        base = Path(file).parent if file else Path()
+        learner = replace(learner, module_dir=str((base / (learner.module_dir or ".")).resolve()))
     if engine is not None:
         engine = replace(engine, model=(engine.model.resolved(file) if engine.model is not None else model))
     return task, model, learner, engine

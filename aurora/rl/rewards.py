@@ -27,20 +27,16 @@ Invariant: a `GuardedReward` returns a `Score` for every input, within about ``t
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import logging
 import multiprocessing
 import numbers
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -48,6 +44,7 @@ import structlog
 from aurora.errors import ConfigError
 from aurora.events import REWARD_FAILED
 from aurora.logs import Throttle
+from aurora.rl.imports import import_beside
 
 log = structlog.get_logger("aurora.rl.rewards")
 
@@ -126,21 +123,7 @@ BUILT_IN: dict[str, RewardFn] = {"exact": exact, "number": number, "math": math_
 
 
 def _import(mod_name: str, reward_dir: str | None) -> Any:
-    """``reward_dir/mod_name.py`` when it exists (under a module name of its own, so it neither shadows
-    nor is shadowed by an installed module), else the installed module ``mod_name``."""
-    path = Path(reward_dir or ".") / (mod_name.replace(".", "/") + ".py")
-    if reward_dir is None or not path.is_file():
-        return importlib.import_module(mod_name)
-    spec = importlib.util.spec_from_file_location(f"aurora_reward.{mod_name}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, reward_dir)  # for the helpers it imports from beside it, while it loads
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(reward_dir)
-    return mod
+    return import_beside(mod_name, reward_dir, "aurora_reward")
 
 
 def load_function(ref: str, reward_dir: str | None) -> Callable[..., Any]:

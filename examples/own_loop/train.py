@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from reinforce import loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aurora.config.topology import load_topology
@@ -31,25 +32,11 @@ from aurora.run import ensure_model
 HERE = Path(__file__).resolve().parent
 
 
-def logprobs(model: torch.nn.Module, prompt: list[int], sample: list[int]) -> torch.Tensor:
-    """Each token of ``sample``'s log-probability under ``model`` after ``prompt``."""
-    ids = torch.tensor([prompt + sample])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(sample)[:, None]).squeeze(1)
-
-
 def loss_of(model: torch.nn.Module, tok: object, batch: list[Group], sft: float) -> torch.Tensor:
-    terms = []
-    for g in batch:
-        rewards = torch.tensor(g.rewards)
-        advantages = rewards - rewards.mean()
-        prompt = list(g.prompt.tokens)
-        for s, a in zip(g.completion.samples, advantages, strict=True):
-            if a != 0:
-                terms.append(-a * logprobs(model, prompt, s.tokens).sum())
-        answer = tok(g.prompt.answer, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-        terms.append(-sft * logprobs(model, prompt, answer).sum())
-    return torch.stack(terms).mean()
+    groups = [
+        (list(g.prompt.tokens), [s.tokens for s in g.completion.samples], g.rewards, g.prompt.answer) for g in batch
+    ]
+    return loss(model, tok, groups, sft)
 
 
 def main() -> int:

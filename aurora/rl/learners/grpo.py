@@ -45,6 +45,7 @@ from aurora.config.rl import GrpoSpec, ModelSpec
 from aurora.errors import ConfigError, LearnerError
 from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
 from aurora.rl.evaluate import Evaluator
+from aurora.rl.learners.base import LearnerContext
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.tasks import Task
 from aurora.rl.types import Completion, Prompt
@@ -456,3 +457,16 @@ class GrpoLearner:
             if (p / "meta.json").is_file() and p.name[1:].isdigit() and int(p.name[1:]) <= at_most
         ]
         return max(found) if found else None
+
+
+def make(context: LearnerContext) -> GrpoLearner:
+    """The GRPO learner of a ``learner: {kind: grpo}`` section (the factory `make_learner` calls)."""
+    return GrpoLearner(
+        context.spec,
+        context.model or ModelSpec(),
+        context.task,
+        temperature=context.temperature,
+        checkpoint_dir=context.checkpoint_dir,
+        chat=context.chat,
+        max_new_tokens=context.max_new_tokens,
+    )

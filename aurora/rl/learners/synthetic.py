@@ -21,6 +21,7 @@ import torch
 from aurora.codec import Weights
 from aurora.config.rl import ModelSpec, SyntheticSpec
 from aurora.errors import ConfigError
+from aurora.rl.learners.base import LearnerContext
 from aurora.rl.model import VOCAB_SIZE, Tokenizer, build_model, parameters
 from aurora.rl.types import Prompt
 
@@ -101,3 +102,8 @@ class SyntheticLearner:
 def _as_bf16(bits: np.ndarray) -> Any:
     """A bf16 tensor over ``bits`` (no copy: `SyntheticLearner.step` never writes a returned array)."""
     return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+def make(context: LearnerContext) -> SyntheticLearner:
+    """The load generator of a ``learner: {kind: synthetic}`` section (the factory `make_learner` calls)."""
+    return SyntheticLearner(context.spec)
