@@ -8,6 +8,7 @@ import base64
 import copy
 import importlib.resources
 import json
+import re
 import shutil
 import stat
 import subprocess
@@ -21,11 +22,13 @@ import yaml
 from aurora.auth.keys import load_node_keys
 from aurora.auth.pool import check_credential, enroll
 from aurora.cli import main
+from aurora.config.rl import PythonSpec
 from aurora.config.topology import load_topology
 from aurora.deploy import deploy
 from aurora.deploy.plan import CONF, SECRET, STORE
 from aurora.errors import ConfigError
 from aurora.events import NODE_STARTED, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.rl.learners import load_factory
 from tests.helpers import free_ports, log_events, wait_until
 
 STEPS = 12
@@ -210,6 +213,25 @@ def test_a_node_loads_its_keys_from_the_bundle_and_its_own_secrets_alone(outputs
         assert (keys.signer is not None) == (node == "trainer")
         assert keys.verifier is not None
         path.unlink()
+
+
+def test_a_learner_of_ones_own_ships_its_code_and_a_training_loop_is_refused(tmp_path: Path) -> None:
+    topo = _topology(tmp_path)
+    (tmp_path / "mine.py").write_text("from helper import make\n")
+    (tmp_path / "helper.py").write_text("def make(context):\n    return None\n")
+    own = tmp_path / "own.yaml"
+    learner = 'learner: {kind: python, factory: "mine:make", options: {lr: 0.1}}'
+    own.write_text(re.sub(r"learner: \{kind: synthetic[^}]*\}", learner, topo.read_text()))
+    deploy(own, "compose", tmp_path / "out")
+    shipped = load_topology(tmp_path / "out" / "bundle" / "topology.yaml")
+    assert isinstance(shipped.learner, PythonSpec)
+    assert Path(shipped.learner.module_dir or "") == tmp_path / "out" / "bundle" / "learner"
+    assert (tmp_path / "out" / "bundle" / "learner" / "helper.py").is_file()
+    assert load_factory(shipped.learner).__module__ == "helper"  # its module and what it imports, from the bundle
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(re.sub(r"learner: \{kind: synthetic[^}]*\}", "learner: {kind: loop}", topo.read_text()))
+    with pytest.raises(ConfigError, match="your own training loop, which aurora deploy cannot start"):
+        deploy(loop, "compose", tmp_path / "out2")
 
 
 def test_deploy_refuses_what_it_cannot_ship(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,7 +30,7 @@ import zmq.auth
 
 from aurora.auth.keys import LOOPBACK_HOSTS, OPERATOR, key_dir
 from aurora.config.plan import plan
-from aurora.config.rl import REWARDS, DatasetSpec, JsonlSpec
+from aurora.config.rl import REWARDS, DatasetSpec, JsonlSpec, LoopSpec, PythonSpec
 from aurora.config.strict import convert
 from aurora.config.topology import Topology, check
 from aurora.errors import ConfigError
@@ -126,18 +126,30 @@ def _task_files(topo: Topology, raw: dict[str, Any], file: str) -> dict[str, byt
         out[f"task/{src.name}"] = _read(src, file, "the task's data file")
         raw["task"]["path"] = f"task/{src.name}"
     if isinstance(task, DatasetSpec) and task.reward not in REWARDS:
-        # the module and what it may import from beside it: reward_dir's *.py, and a dotted module's package
-        where = Path(task.reward_dir or ".")
-        package = where / task.reward.partition(":")[0].split(".")[0]
-        files = sorted(where.glob("*.py")) + (sorted(package.rglob("*.py")) if package.is_dir() else [])
-        if not files:
-            raise ConfigError(
-                f"no Python file in {where} for the reward {task.reward!r}", file=file, path="task.reward"
-            )
-        for src in files:
-            out[f"task/reward/{src.relative_to(where)}"] = _read(src, file, "the reward's code")
+        out |= _code(Path(task.reward_dir or "."), task.reward, "task/reward", file, "task.reward")
         raw["task"]["reward_dir"] = "task/reward"
+    learner = topo.learner
+    if isinstance(learner, LoopSpec):
+        raise ConfigError(
+            "learner kind 'loop': the trainer runs inside your own training loop, which aurora deploy cannot "
+            "start; deploy a topology whose learner aurora node runs (kind: grpo, or python with a factory)",
+            file=file,
+            path="learner.kind",
+        )
+    if isinstance(learner, PythonSpec):
+        out |= _code(Path(learner.module_dir or "."), learner.factory, "learner", file, "learner.factory")
+        raw["learner"]["module_dir"] = "learner"
     return out
+
+
+def _code(where: Path, ref: str, to: str, file: str, field: str) -> dict[str, bytes]:
+    """The module ``ref`` (``module:function``) names and what it may import from beside it: ``where``'s
+    *.py, and a dotted module's package — for the bundle, under ``to/``."""
+    package = where / ref.partition(":")[0].split(".")[0]
+    files = sorted(where.glob("*.py")) + (sorted(package.rglob("*.py")) if package.is_dir() else [])
+    if not files:
+        raise ConfigError(f"no Python file in {where} for {ref!r}", file=file, path=field)
+    return {f"{to}/{src.relative_to(where)}": _read(src, file, f"the code of {ref!r}") for src in files}
 
 
 def _image(topo: Topology, gpus: int) -> str:

@@ -76,4 +76,4 @@ def load_factory(spec: PythonSpec) -> LearnerFactory:
     return fn  # type: ignore[no-any-return]
 
 
-__all__ = ["Learner", "LearnerContext", "make_learner"]
+__all__ = ["Learner", "LearnerContext", "load_factory", "make_learner"]
