@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from aurora.codec import Weights
 from aurora.config.plan import plan
@@ -55,6 +56,13 @@ from aurora.rl.types import Completion, Prompt
 
 POLL_S = 0.2
 """How often a wait looks whether the other side has failed or closed."""
+
+
+def cast_tensor(v: object) -> torch.Tensor:
+    """A state dict's value that must be a tensor (a parameter's)."""
+    if not isinstance(v, torch.Tensor):
+        raise AuroraError(f"a parameter's state is a {type(v).__name__}, not a tensor")
+    return v
 
 
 def _scalar(key: object, v: object) -> bool | int | float | str | None:
@@ -104,7 +112,9 @@ class _Handover:
         self._vocab_size = vocab_size
 
     def initial(self) -> Weights:
-        return self.owner._weights()
+        initial = self.owner._initial
+        assert initial is not None, "start() reads the module before the node starts"
+        return initial
 
     def step(self, batch: Sequence[Any]) -> Weights:
         """In the node's worker thread: the groups (texts and rewards made here) to the loop, then wait
@@ -143,8 +153,11 @@ class TrainerLoop:
 
     ``topology``: the topology file; its ``learner`` section is ``{kind: loop, prompts_per_step,
     group_size}``. ``model``: the module you train (a ``torch.nn.Module`` whose ``named_parameters`` are
-    the rollouts' model's tensor names, checked at start; an FSDP-sharded module is not supported
-    yet). ``tokenizer``: a ``transformers`` tokenizer (or `aurora.rl.model.Tokenizer`) of the rollouts'
+    the rollouts' model's tensor names, checked at start). Under torch.distributed (``torchrun``), make
+    a `TrainerLoop` on every rank, with the module sharded (FSDP2 ``fully_shard``) or not: rank 0 runs
+    the node; every rank gets each batch (split it among the ranks yourself) and calls `publish`,
+    where the version is gathered whole on rank 0 (``get_model_state_dict``: rank 0 holds the whole
+    model for a moment — versions made where the shards are is not built yet). ``tokenizer``: a ``transformers`` tokenizer (or `aurora.rl.model.Tokenizer`) of the rollouts'
     model; the node uses a copy of its own. ``store``: the trainer's version store: a loop started
     again resumes from its newest version, and the module's parameters are set to that version's
     (bf16) values — keep your own checkpoints of fp32 weights and optimiser state, and load them
@@ -197,6 +210,11 @@ class TrainerLoop:
         self._error: BaseException | None = None
         self._node: Any = None
         self._waiting = False
+        self._initial: Weights | None = None
+        self._resumed: Weights | None = None
+        self._dist = tdist.is_available() and tdist.is_initialized()
+        self.rank = tdist.get_rank() if self._dist else 0
+        """This process's rank when your loop runs under torch.distributed (rank 0 runs the node)."""
 
     # ---------------------------------------------------------------- your loop's side
     def __enter__(self) -> TrainerLoop:
@@ -208,8 +226,27 @@ class TrainerLoop:
         self.close(wait_synced_s=self.sync_wait_s if ok else 0.0, raise_errors=ok)  # never hides your error
 
     def start(self) -> None:
-        """Start the trainer node (in its own thread); returns once it listens and its actors run, or
-        raises why it cannot (a port in use, a store it cannot resume from, ...)."""
+        """Start the trainer node (on rank 0, in a thread of its own); returns once it listens and its
+        actors run — with the module set to the store's newest version when it resumes — or raises why
+        it cannot (a port in use, a store it cannot resume from, ...), on every rank."""
+        initial = self._weights()  # every rank: a collective when the module is sharded
+        if self.rank != 0:
+            tag, value = self._share(None)
+            if tag == "failed":
+                raise AuroraError(f"rank 0's trainer node did not start: {value}")
+            self.version = int(value)
+        else:
+            self._initial = initial
+            try:
+                self._start_node()
+            except BaseException as e:
+                self._share(("failed", str(e)))
+                raise
+            self._share(("started", self.version))
+        if self.version:
+            self._apply_resumed()
+
+    def _start_node(self) -> None:
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="aurora-trainer", daemon=True)
         atexit.register(self._abandon)
@@ -228,7 +265,18 @@ class TrainerLoop:
         while self.version < self.steps:
             if self._waiting:
                 raise AuroraError("publish() the version of the last batch before taking another")
-            batch = self._get()
+            if self.rank == 0:
+                try:
+                    batch = self._get()
+                except AuroraError as e:
+                    self._share(("failed", str(e)))
+                    raise
+                self._share(("batch", batch))
+            else:
+                tag, value = self._share(None)
+                if tag == "failed":
+                    raise AuroraError(f"rank 0: {value}")
+                batch = value
             self._waiting = True
             yield batch
 
@@ -238,11 +286,12 @@ class TrainerLoop:
         if not self._waiting:
             raise AuroraError("publish() follows a batch from batches()")
         self._check()
-        clean = {str(k): _scalar(k, v) for k, v in (stats or {}).items()}
-        weights = self._weights()
+        clean = {str(k): _scalar(k, v) for k, v in (stats or {}).items()} if self.rank == 0 else {}
+        weights = self._weights()  # every rank: a collective when the module is sharded
         self._waiting = False
         self.version += 1
-        self._versions.put((weights, clean))
+        if weights is not None:
+            self._versions.put((weights, clean))
         return self.version
 
     def synced(self) -> bool:
@@ -306,28 +355,57 @@ class TrainerLoop:
         rewards = [float(self.task.score(prompt, t).reward) for t in texts]
         return Group(prompt, completion, texts, rewards)
 
-    def _weights(self) -> Weights:
+    def _share(self, obj: Any) -> Any:
+        """Rank 0's ``obj``, on every rank (itself without torch.distributed)."""
+        if not self._dist:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _weights(self) -> Weights | None:
         """The module's parameters cast to bf16, in memory of their own (never the module's: a version
-        must not change when your optimiser steps)."""
+        must not change when your optimiser steps). A sharded module's are gathered whole on rank 0 (a
+        collective every rank joins; None on the others)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        if self._dist:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank != 0:
+                return None
+            tensors = {n: cast_tensor(full[n]) for n in names}
+        else:
+            tensors = {n: p.detach() for n, p in self.model.named_parameters()}
         with torch.no_grad():
-            cast = {
-                n: p.detach().to(device="cpu", dtype=torch.bfloat16, copy=True)
-                for n, p in self.model.named_parameters()
-            }
+            cast = {n: t.to(device="cpu", dtype=torch.bfloat16, copy=True) for n, t in tensors.items()}
         bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
         if bad:
             raise LearnerError(f"the module holds non-finite values (first in {bad[0]!r}); not published")
         return Weights.from_tensors(cast)
 
     def _restore(self, weights: Weights, version: int) -> None:
-        tensors = weights.to_tensors()
-        params = dict(self.model.named_parameters())
-        if set(tensors) != set(params):
+        """In the node's thread, at its start: the store's newest version (`start` then sets the module)."""
+        if set(weights) != {n for n, _ in self.model.named_parameters()}:
             raise ConfigError("the stored version does not fit the module (different tensors)", path="model")
+        self._resumed = weights
+        self.version = version
+
+    def _apply_resumed(self) -> None:
+        """The module's parameters set to the resumed version's values (every rank; from rank 0's)."""
+        params = dict(self.model.named_parameters())
+        full = {}
+        if self._resumed is not None:
+            full = {n: t.to(params[n].dtype) for n, t in self._resumed.to_tensors().items()}
+        if self._dist:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+            set_model_state_dict(self.model, dict(full), options=options)  # type: ignore[arg-type]
+            return
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(tensors[n].to(p.dtype))
-        self.version = version
+                p.copy_(full[n])
 
     def _tokenize(self, prompt: Prompt) -> tuple[int, ...]:
         with self._tok_lock:

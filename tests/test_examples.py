@@ -104,3 +104,24 @@ def test_the_own_learner_example_runs_under_aurora_run_as_grpo_would(tmp_path: P
     rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
     assert [row["version"] for row in rows] == [1, 2, 3, 4]
     assert all(isinstance(row["loss"], float) and 0 <= row["reward"] <= 1 for row in rows)
+
+
+@pytest.mark.slow
+def test_the_own_loop_example_trains_an_fsdp_sharded_module_on_two_ranks(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 train.py --fsdp`: FSDP2 shards the module over two gloo ranks, each
+    trains on its part of each batch, rank 0 runs the trainer node and gathers each version whole."""
+    shutil.copytree(ROOT / "examples" / "own_loop", tmp_path / "own_loop")
+    path = tmp_path / "own_loop" / "topology.yaml"
+    text = path.read_text().replace("../../runs/models/tiny-0", str(tmp_path / "models" / "tiny-0"))
+    node_port, master_port = free_ports(2)
+    path.write_text(text.replace("127.0.0.1:47210", f"127.0.0.1:{node_port}"))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(master_port)]
+    r = subprocess.run(
+        [*argv, str(tmp_path / "own_loop" / "train.py"), "--fsdp", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [int(m) for m in re.findall(r"^version (\d+): reward", r.stdout, re.M)] == [1, 2, 3]
+    assert "done: version 3 published, and every node holds it (2 ranks)" in r.stdout

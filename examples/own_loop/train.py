@@ -7,6 +7,7 @@ reference answers), steps its own optimiser, and publishes the module: the train
 new version down the tree as a verified delta.
 
     python examples/own_loop/train.py [--steps N]
+    torchrun --nproc-per-node 2 examples/own_loop/train.py --fsdp     # the model sharded with FSDP2
 
 For the demo it starts the rollout node itself (`aurora node --name rollout-1`); on real machines
 the rollouts and relays run `aurora node` on their own hosts, and only this loop runs here.
@@ -21,7 +22,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from reinforce import loss
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aurora.config.topology import load_topology
@@ -45,53 +48,65 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="versions to publish (default: the topology's run.steps)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--sft", type=float, default=0.1, help="weight of the supervised term")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 over the ranks of `torchrun --nproc-per-node N` (gloo on CPU, "
+        "NCCL on GPUs); each rank trains on its part of each batch, rank 0 runs the trainer node",
+    )
     args = p.parse_args()
     configure("warning")
+    rank, ranks = 0, 1
+    if args.fsdp:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, ranks = dist.get_rank(), dist.get_world_size()
     topo = load_topology(args.topology)
-    ensure_model(topo, args.topology, lambda m: print(m, flush=True))  # the tiny model, made if missing
+    if rank == 0:
+        ensure_model(topo, args.topology, lambda m: print(m, flush=True))  # the tiny model, made if missing
+    if args.fsdp:
+        dist.barrier()
     assert topo.model is not None
     model_dir = topo.model.resolved(str(args.topology)).directory()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if args.fsdp:  # each decoder layer a unit of its own, then the rest
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     topology = args.topology
-    if args.steps is not None:  # the same topology with fewer steps, beside it
-        topology = args.topology.with_name(f".{args.topology.stem}-{args.steps}.yaml")
+    if args.steps is not None:  # the same topology with fewer steps, beside it (a file per rank)
+        topology = args.topology.with_name(f".{args.topology.stem}-{args.steps}-{rank}.yaml")
         text = args.topology.read_text().replace(f"run: {{steps: {topo.run.steps}}}", f"run: {{steps: {args.steps}}}")
         topology.write_text(text)
         topo = replace(topo, run=replace(topo.run, steps=args.steps))
-    rollout = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "aurora",
-            "--log-level",
-            "warning",
-            "node",
-            "--topology",
-            str(topology),
-            "--name",
-            "rollout-1",
-        ]
-    )
+    argv = [sys.executable, "-m", "aurora", "--log-level", "warning", "node", "--topology", str(topology)]
+    rollout = subprocess.Popen([*argv, "--name", "rollout-1"]) if rank == 0 else None
     try:
         with TrainerLoop(topology, model, tok) as loop:
             for batch in loop.batches():
-                loss = loss_of(model, tok, batch, args.sft)
+                mine = batch[rank::ranks]  # FSDP averages the ranks' gradients: the mean over the batch
+                loss = loss_of(model, tok, mine, args.sft)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
                 reward = sum(sum(g.rewards) for g in batch) / sum(len(g.rewards) for g in batch)
                 lv = float(loss.detach())
                 v = loop.publish({"reward": round(reward, 4), "loss": round(lv, 4)})
-                print(f"version {v}: reward {reward:.3f} loss {lv:.3f}", flush=True)
+                if rank == 0:
+                    print(f"version {v}: reward {reward:.3f} loss {lv:.3f}", flush=True)
         # leaving the `with` waited (up to a minute) for every node to hold the last version
-        print(f"done: version {loop.version} published{', and every node holds it' if loop.synced() else ''}")
+        if rank == 0:
+            synced = ", and every node holds it" if loop.synced() else ""
+            print(f"done: version {loop.version} published{synced}" + (f" ({ranks} ranks)" if args.fsdp else ""))
     finally:
-        rollout.terminate()
-        rollout.wait()
+        if rollout is not None:
+            rollout.terminate()
+            rollout.wait()
         if topology != args.topology:
             topology.unlink(missing_ok=True)
+        if args.fsdp:
+            dist.destroy_process_group()
     return 0
 
 
