@@ -407,6 +407,20 @@ def _add_deploy(sub: Any) -> None:
     p.add_argument("topology", type=Path, help="the topology YAML file")
     p.add_argument("--to", required=True, choices=["compose", "kubernetes", "skypilot"], help="the engine")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="a new directory for the files")
+    p.add_argument(
+        "--members",
+        action="append",
+        default=[],
+        metavar="POOL=N",
+        help="also N members of the topology's pool POOL, each a unit with a credential of its own, enrolled "
+        "now with the pool's secret key (keys.dir/POOL.pool); on SkyPilot they ask for spot machines",
+    )
+    p.add_argument(
+        "--member-ttl",
+        default="7d",
+        metavar="DURATION",
+        help="how long the members' credentials are valid (default 7d)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1052,7 +1066,13 @@ def cmd_bench_leases(args: argparse.Namespace) -> int:
 def cmd_deploy(args: argparse.Namespace) -> int:
     from aurora.deploy import deploy
 
-    d, files = deploy(args.topology, args.to, args.out)
+    members: dict[str, int] = {}
+    for m in args.members:
+        pool, eq, n = m.partition("=")
+        if not eq or not n.isdigit():
+            raise AuroraError(f"--members {m!r}: expected POOL=N")
+        members[pool] = members.get(pool, 0) + int(n)
+    d, files = deploy(args.topology, args.to, args.out, members, _duration_s(args.member_ttl))
     print(f"wrote {args.out}: {len(d.units)} nodes of {args.topology} for {args.to}")
     for u in d.units:
         gpu = f", {u.gpus} GPU" if u.gpus else ""

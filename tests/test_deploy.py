@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from aurora.auth.keys import load_node_keys
-from aurora.auth.pool import check_credential, enroll
+from aurora.auth.pool import check_credential, enroll, read_credential
 from aurora.cli import main
 from aurora.config.rl import PythonSpec
 from aurora.config.topology import load_topology
@@ -75,7 +75,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     gpus = "deploy: {gpus: {trainer: 1, rollout: 1}, accelerator: L4, image: reg.example/aurora:cpu}"
     topo = _topology(tmp, extra=gpus + "\npools: [{name: spot, parents: [relay_eu], max_size: 4}]")
     for target in ("compose", "kubernetes", "skypilot"):
-        deploy(topo, target, tmp / target)
+        deploy(topo, target, tmp / target, members={"spot": 2})
     return {t: tmp / t for t in ("compose", "kubernetes", "skypilot")}
 
 
@@ -86,7 +86,11 @@ def test_the_compose_file_is_valid_by_the_compose_specification(outputs: dict[st
     doc = yaml.safe_load((outputs["compose"] / "compose.yaml").read_text())
     jsonschema.Draft202012Validator(schema).validate(doc)
     svc = doc["services"]
-    assert set(svc) == {"trainer", "relay-eu", "rollout-1", "rollout-2"}
+    members = {n for n in svc if n.startswith("spot-")}
+    assert len(members) == 2
+    assert set(svc) - members == {"trainer", "relay-eu", "rollout-1", "rollout-2"}
+    assert all(svc[m]["depends_on"] == ["relay-eu"] for m in members)  # the pool's first parent
+    assert all("--pool spot --credential" in " ".join(svc[m]["command"]) for m in members)
     assert svc["rollout-1"]["depends_on"] == ["relay-eu"]
     assert "depends_on" not in svc["trainer"]
     assert all(s["restart"] == "unless-stopped" for s in svc.values())
@@ -100,7 +104,7 @@ def test_the_compose_file_is_valid_by_the_compose_specification(outputs: dict[st
     assert svc["relay-eu"]["image"] == "reg.example/aurora:cpu"
     # a service mounts its own secrets only
     for name, s in svc.items():
-        own = "relay_eu" if name == "relay-eu" else name
+        own = "relay_eu" if name == "relay-eu" else name.replace("spot-", "spot.")
         assert [v for v in s["volumes"] if SECRET in v] == [f"./secrets/{own}:{SECRET}:ro"]
 
 
@@ -111,8 +115,8 @@ def test_the_kubernetes_manifests_are_valid_by_the_kubernetes_schemas(outputs: d
     for d in docs:
         kv.validate(d, kv.latest_version(), strict=True)
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("Deployment") == 4
-    assert kinds.count("Secret") == 4
+    assert kinds.count("Deployment") == 6  # four nodes, two pool members
+    assert kinds.count("Secret") == 6
     assert kinds.count("ConfigMap") == 1
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     # the listening nodes: their children dial tcp://SERVICE:PORT
@@ -136,9 +140,13 @@ def test_the_kubernetes_manifests_are_valid_by_the_kubernetes_schemas(outputs: d
 def test_the_skypilot_tasks_load_with_skypilots_own_loader(outputs: dict[str, Path]) -> None:
     sky = pytest.importorskip("sky")
     tasks = {f.stem: yaml.safe_load(f.read_text()) for f in (outputs["skypilot"] / "skypilot").iterdir()}
-    assert set(tasks) == {"trainer", "relay-eu", "rollout-1", "rollout-2"}
+    members = {n for n in tasks if n.startswith("spot-")}
+    assert set(tasks) - members == {"trainer", "relay-eu", "rollout-1", "rollout-2"}
+    assert len(members) == 2
     for t in tasks.values():
         sky.Task.from_yaml_config(copy.deepcopy(t))  # (it takes the dict apart)
+    assert all(tasks[m]["resources"]["use_spot"] is True for m in members)  # members may run on spot machines
+    assert not any("use_spot" in tasks[n]["resources"] for n in set(tasks) - members)
     relay = tasks["relay-eu"]["resources"]
     assert (relay["cloud"], relay["region"], relay["ports"]) == ("gcp", "europe-west4", [47001])
     assert "accelerators" not in relay
@@ -166,18 +174,31 @@ def test_no_node_is_given_another_nodes_secret(outputs: dict[str, Path], tmp_pat
         assert not any(s in bundle for s in secrets.values()), f"{target}: a secret in the bundle"
         configmaps = b"".join(f.read_bytes() for f in out.rglob("bundle.yaml"))
         assert not any(base64.b64encode(s) in configmaps or s in configmaps for s in secrets.values())
+        members = set()
         for node_dir in (out / "secrets").iterdir():
             files = _every_file(node_dir)
-            own = {f"{node_dir.name}.key_secret"} | ({"trainer.sign"} if node_dir.name == "trainer" else set())
-            assert set(files) == own, (target, node_dir.name, set(files))
-            assert all(files[k] == secrets[k] for k in files)
+            if node_dir.name.startswith("spot."):  # a pool member: its own credential, of its own name
+                assert set(files) == {"member.json"}, (target, node_dir.name, set(files))
+                assert read_credential(node_dir / "member.json").name == node_dir.name
+                members.add(files["member.json"])
+            else:
+                own = {f"{node_dir.name}.key_secret"} | ({"trainer.sign"} if node_dir.name == "trainer" else set())
+                assert set(files) == own, (target, node_dir.name, set(files))
+                assert all(files[k] == secrets[k] for k in files)
             assert stat.S_IMODE(node_dir.stat().st_mode) == 0o700
             assert all(stat.S_IMODE((node_dir / k).stat().st_mode) == 0o600 for k in files)
+        assert len(members) == 2  # two members, two credentials
+        assert not any(m in bundle or base64.b64encode(m) in configmaps for m in members)
     # Kubernetes: each node's Secret holds its own keys, and its pod mounts that Secret only
     for f in (outputs["kubernetes"] / "kubernetes").rglob("*.yaml"):
         docs = list(yaml.safe_load_all(f.read_text()))
         for d in docs:
-            if d["kind"] == "Secret":
+            if d["kind"] == "Secret" and f.stem.startswith("spot-"):  # a member's: its credential alone
+                member = f.stem.replace("spot-", "spot.")
+                assert set(d["data"]) == {"member.json"}
+                got = base64.b64decode(d["data"]["member.json"])
+                assert got == (outputs["kubernetes"] / "secrets" / member / "member.json").read_bytes()
+            elif d["kind"] == "Secret":
                 node = f.stem.replace("relay-eu", "relay_eu")
                 assert set(d["data"]) == {f"{node}.key_secret"} | ({"trainer.sign"} if node == "trainer" else set())
                 secrets = _secrets(outputs["kubernetes"].parent / "keys")
@@ -234,6 +255,21 @@ def test_a_learner_of_ones_own_ships_its_code_and_a_training_loop_is_refused(tmp
         deploy(loop, "compose", tmp_path / "out2")
 
 
+def test_members_of_a_pool_it_has_not_or_too_many_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topo = _topology(tmp_path, extra="pools: [{name: spot, parents: [relay_eu], max_size: 2}]")
+    with pytest.raises(ConfigError, match="no pool named 'gpu'"):
+        deploy(topo, "compose", tmp_path / "out", members={"gpu": 1})
+    with pytest.raises(ConfigError, match=r"takes 1\.\.2 members, not 3"):
+        deploy(topo, "compose", tmp_path / "out", members={"spot": 3})
+    assert not (tmp_path / "out").exists()
+    assert main(["deploy", str(topo), "--to", "compose", "-o", str(tmp_path / "out"), "--members", "spot"]) != 0
+    assert "expected POOL=N" in capsys.readouterr().err
+    assert main(["deploy", str(topo), "--to", "compose", "-o", str(tmp_path / "out"), "--members", "spot=2"]) == 0
+    assert "pool spot: 2 members" in capsys.readouterr().out
+
+
 def test_deploy_refuses_what_it_cannot_ship(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     topo = _topology(tmp_path)
     (tmp_path / "busy").mkdir()
@@ -282,7 +318,7 @@ def _as_container(out: Path, node: str, argv: list[str], root: Path) -> list[str
     shutil.copytree(out / "bundle", conf)
     topo = conf / "topology.yaml"
     topo.write_text(topo.read_text().replace(SECRET, str(out / "secrets" / node)).replace(HOST, "localhost"))
-    subst = {CONF: str(conf), STORE: str(root / node / "store")}
+    subst = {CONF: str(conf), STORE: str(root / node / "store"), SECRET: str(out / "secrets" / node)}
     args = []
     for a in argv:
         for k, v in subst.items():
@@ -294,10 +330,10 @@ def _as_container(out: Path, node: str, argv: list[str], root: Path) -> list[str
 def test_the_deployed_units_run_as_their_containers_would_and_converge(tmp_path: Path) -> None:
     """SkyPilot's units keep the topology's listen addresses (a name, here meaning ``localhost``: children
     dial a name) while each node binds ``--bind`` (here 127.0.0.1): every node ends on the trainer's last
-    version, each with only its own secret."""
+    version, each with only its own secret — a pool member too, with only its credential."""
     ports = free_ports(2)
-    topo = _topology(tmp_path, ports)
-    d, _ = deploy(topo, "skypilot", tmp_path / "out")
+    topo = _topology(tmp_path, ports, extra="pools: [{name: spot, parents: [relay_eu], max_size: 2}]")
+    d, _ = deploy(topo, "skypilot", tmp_path / "out", members={"spot": 1})
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {u.name: tmp_path / f"{u.name}.log" for u in d.units}
     try:

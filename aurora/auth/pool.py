@@ -120,6 +120,11 @@ def enroll(topo: Topology, file: str | None, pool: str, ttl_s: float, now: float
 
 def write_credential(path: Path, cred: Credential) -> None:
     """The credential file (0600; refuses an existing file)."""
+    write_secret(path, credential_bytes(cred))
+
+
+def credential_bytes(cred: Credential) -> bytes:
+    """A credential file's contents (JSON)."""
     doc = {
         "format": CREDENTIAL_FORMAT,
         "topology": cred.topology,
@@ -130,7 +135,7 @@ def write_credential(path: Path, cred: Credential) -> None:
         "expires_at": cred.cert.expires,
         "signature": cred.cert.sig.hex(),
     }
-    write_secret(path, (json.dumps(doc, indent=2) + "\n").encode())
+    return (json.dumps(doc, indent=2) + "\n").encode()
 
 
 def read_credential(path: Path) -> Credential:
@@ -279,6 +284,7 @@ __all__ = [
     "Revocations",
     "check_cert",
     "check_credential",
+    "credential_bytes",
     "enroll",
     "member_name",
     "pool_verifiers",

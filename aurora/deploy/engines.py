@@ -111,7 +111,7 @@ def kubernetes(d: Deployment) -> dict[str, str]:
                     "kind": "Secret",
                     "metadata": _meta(d, secret, u),
                     "type": "Opaque",
-                    "data": {k: base64.b64encode(p.read_bytes()).decode() for k, p in u.secrets.items()},
+                    "data": {k: base64.b64encode(v).decode() for k, v in u.secret_bytes().items()},
                 }
             ]
         )
@@ -203,6 +203,8 @@ def skypilot(d: Deployment) -> dict[str, str]:
             res["accelerators"] = f"{d.accelerator}:{u.gpus}"
         if u.port is not None:
             res["ports"] = [u.port]
+        if u.spot:  # a pool member: preempted, SkyPilot relaunches it and it rejoins its pool
+            res["use_spot"] = True
         mounts = {CONF: "./bundle", SECRET: f"./secrets/{u.name}"}
         if d.model_dir is not None:
             mounts[MODEL] = str(d.model_dir)

@@ -20,6 +20,8 @@ and `aurora chaos` use, with the container's paths. Errors name the topology fil
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +31,7 @@ import yaml
 import zmq.auth
 
 from aurora.auth.keys import LOOPBACK_HOSTS, OPERATOR, key_dir
+from aurora.auth.pool import credential_bytes, enroll
 from aurora.config.plan import plan
 from aurora.config.rl import REWARDS, DatasetSpec, JsonlSpec, LoopSpec, PythonSpec
 from aurora.config.strict import convert
@@ -44,6 +47,9 @@ SECRET = "/run/aurora/secret"
 STORE = "/var/lib/aurora/store"
 MODEL = "/var/lib/aurora/model"
 BIND_ALL = "0.0.0.0"
+MEMBER_FILE = "member.json"
+"""A pool member's credential in its secrets."""
+MEMBER_TTL_S = 7 * 86400.0
 
 _DNS = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -63,12 +69,19 @@ class Unit:
     """The port it listens on for its children (trainer, relays), else None."""
     gpus: int
     image: str
-    secrets: dict[str, Path]
-    """Its own secret files: the name they have in ``SECRET`` -> where they are on this machine."""
+    secrets: Mapping[str, Path | bytes]
+    """Its own secret files: the name they have in ``SECRET`` -> where they are on this machine (or their
+    bytes: a pool member's credential, made by the deploy)."""
     cloud: str | None
     cloud_region: str | None
     parent: str | None
     """Its planned parent's DNS name (Compose starts it first); None for the trainer."""
+    spot: bool = False
+    """A pool member: SkyPilot may run it on a spot machine (preempted, it is relaunched and rejoins)."""
+
+    def secret_bytes(self) -> dict[str, bytes]:
+        """Its own secret files' contents, by the name they have in ``SECRET``."""
+        return {k: v if isinstance(v, bytes) else v.read_bytes() for k, v in self.secrets.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +165,58 @@ def _code(where: Path, ref: str, to: str, file: str, field: str) -> dict[str, by
     return {f"{to}/{src.relative_to(where)}": _read(src, file, f"the code of {ref!r}") for src in files}
 
 
+def _members(
+    topo: Topology, file: str, pool_name: str, count: int, ttl_s: float, now: float, dns: Mapping[str, str]
+) -> list[Unit]:
+    """``count`` members of pool ``pool_name``: units that run `aurora node --pool` with a credential each."""
+    try:
+        pool = topo.pool(pool_name)
+    except KeyError:
+        raise ConfigError(f"--members: no pool named {pool_name!r}", file=file) from None
+    if not 1 <= count <= pool.max_size:
+        raise ConfigError(f"--members: pool {pool_name!r} takes 1..{pool.max_size} members, not {count}", file=file)
+    gpus = topo.deploy.gpus.rollout
+    region = topo.region(topo.pool_region(pool))
+    units = []
+    for _ in range(count):
+        cred = enroll(topo, file, pool_name, ttl_s, now)
+        argv = ["python3", "-m", "aurora", "--log-format", "json", "node", "--topology", f"{CONF}/topology.yaml"]
+        argv += ["--pool", pool_name, "--credential", f"{SECRET}/{MEMBER_FILE}", "--store", STORE]
+        units.append(
+            Unit(
+                cred.name,
+                "rollout",
+                region.name,
+                dns_label(cred.name, "pool member", file),
+                tuple(argv),
+                None,
+                gpus,
+                _image(topo, gpus),
+                {MEMBER_FILE: credential_bytes(cred)},
+                region.cloud,
+                region.cloud_region,
+                dns[pool.parents[0]],
+                spot=True,
+            )
+        )
+    return units
+
+
 def _image(topo: Topology, gpus: int) -> str:
     return topo.deploy.gpu_image if gpus else topo.deploy.image
 
 
-def build(topo: Topology, file: str, target: Target) -> Deployment:
-    """The deployment of ``topo`` (loaded from ``file``) for ``target``; raises `ConfigError`."""
+def build(
+    topo: Topology,
+    file: str,
+    target: Target,
+    members: Mapping[str, int] | None = None,
+    member_ttl_s: float = MEMBER_TTL_S,
+    now: float | None = None,
+) -> Deployment:
+    """The deployment of ``topo`` (loaded from ``file``) for ``target``, with ``members[POOL]`` members
+    of each pool named there (each with a credential of its own, enrolled now with the pool's secret
+    key, valid ``member_ttl_s``); raises `ConfigError`."""
     d = key_dir(topo, file)
     if d is None or topo.keys is None or topo.keys.signing_key is not None or topo.keys.signing_key_file is not None:
         raise ConfigError(
@@ -278,6 +337,11 @@ def build(topo: Topology, file: str, target: Target) -> Deployment:
             )
         )
     notes = []
+    for pool_name, count in (members or {}).items():
+        units += _members(topo, file, pool_name, count, member_ttl_s, time.time() if now is None else now, dns)
+        notes.append(
+            f"pool {pool_name}: {count} members, each with a credential of its own (valid {member_ttl_s / 86400:g} days)"
+        )
     if topo.model is not None and topo.model.fetch is not None and model_dir is None:
         notes.append(f"model: each node fetches {topo.model.fetch} into {MODEL} at its first start")
     has_model = topo.model is not None and topo.model.path is not None
