@@ -46,6 +46,8 @@ from aurora.protocol.messages import Admitted, Hello, Join, Lane, MemberCert, Pa
 from aurora.runtime.processes import node_argv
 from tests.helpers import events_in, free_ports, log_events, version_in, wait_until
 
+pytestmark = pytest.mark.slow  # about 90 s of real processes: CI runs it (make test with CI=true)
+
 STEPS = 150
 NAMED = ["trainer", "relay", "rollout-1"]
 """The named nodes that run; relay-2 is a compromised relay the test plays (with its key)."""
