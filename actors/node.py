@@ -187,6 +187,8 @@ class TreeView(Protocol):
     def join(self, member: str, cert: MemberCert, parent: str) -> str | None: ...
     def heard_member(self, member: str) -> bool: ...
     async def evict(self, member: str, via: Channel) -> None: ...
+    def may_work(self, worker: str) -> bool: ...
+    def fail(self, why: str) -> None: ...
     def member_routes(self) -> int: ...
     def report(self) -> NodeReport: ...
     def on_status_message(self, m: Held | Status) -> None: ...
@@ -258,6 +260,9 @@ class Node:
         """The pools' revocation files (at a pool's parents and the trainer: `aurora.node` opens them)."""
         self.cert: MemberCert | None = None
         """A pool member's certificate, shown with its hello."""
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
+        """Why the node stops on its own (a pool member whose credential ended); `aurora.node` raises it."""
         self._admissions: dict[str, tuple[asyncio.Event, list[Admitted]]] = {}
         """A relay's hellos of pool members waiting for the trainer's answer to their `Join`."""
         self.max_members = sum(p.max_size for p in topo.pools) + MEMBER_SLACK
@@ -355,16 +360,18 @@ class Node:
         (their prompts go back to the pool)."""
         assert self.roster is not None
         for gone in self.roster.prune(now):
-            self._leave(gone, now, f"not heard from for {self.roster.hold_s:g} s")
+            # its leases run on: a member behind a relay that failed over comes back under them
+            self._leave(gone, now, f"not heard from for {self.roster.hold_s:g} s", end_leases=False)
 
-    def _leave(self, member: str, now: float, reason: str) -> None:
-        """Trainer: ``member`` has no place any more; its leases end now (its prompts go back to the pool)."""
+    def _leave(self, member: str, now: float, reason: str, *, end_leases: bool) -> None:
+        """Trainer: ``member`` has no place any more; with ``end_leases`` (revoked) its leases end now and
+        their prompts go back to the pool, else they run out as any worker's."""
         assert self.roster is not None
         self.roster.remove(member)
         self.status.forget(member)
         self.routes.via.pop(member, None)
         log.info(POOL_MEMBER_LEFT, member=member, reason=reason)
-        if self.pool is not None:  # its prompts go back now, not when their leases run out
+        if self.pool is not None and end_leases:
             for e in self.pool.leave(member, now):
                 log.info(LEASE_EXPIRED, worker=e.lease.worker, item=e.lease.item, token=e.lease.token.hex()[:8])
             self.board.room.set()
@@ -379,18 +386,31 @@ class Node:
         self._left(now)
         pool = self.rules.pool_of(member)
         if pool is not None and member in self._revoked(pool) and self.roster.holds(member):
-            self._leave(member, now, "its credential was revoked")
+            self._leave(member, now, "its credential was revoked", end_leases=True)
         return self.roster.holds(member) and self.roster.seen(member, now)
 
     def _revoked(self, pool: str) -> frozenset[str]:
-        return self.revocations.of(pool) if self.revocations is not None else frozenset()
+        return self.revocations.of(pool, self.clock.now()) if self.revocations is not None else frozenset()
+
+    def fail(self, why: str) -> None:
+        """Stop the node, for ``why`` (its ``aurora node`` exits non-zero saying so)."""
+        if self.failure is None:
+            self.failure = why
+            log.error("node_failed", reason=why)
+        self.failed.set()
+
+    def may_work(self, worker: str) -> bool:
+        """Trainer: may ``worker`` be granted work now (a named rollout, or a pool member with a place)?"""
+        return self.roster is None or self.rules.pool_of(worker) is None or self.roster.holds(worker)
 
     async def evict(self, member: str, via: Channel) -> None:
         """Trainer: tell pool member ``member``, whose message came through child ``via`` and which holds
         no place, that it has none (its parent closes its channel; it says hello again and asks for one)."""
         if _quiet.allow(f"evict/{member}", self.clock.now()) is None:
             return  # told within the last few seconds
-        reason = "no place in the pool (silent too long): say hello again"
+        pool = self.rules.pool_of(member)
+        revoked = pool is not None and member in self._revoked(pool)
+        reason = "its credential is revoked" if revoked else "no place in the pool (silent too long): say hello again"
         with contextlib.suppress(TransportClosed):
             if via.peer == member:  # a child of the trainer itself
                 await via.close(reason)
@@ -921,6 +941,12 @@ def _log_membership(node: TreeView, e: membership.Event) -> None:
         log.info(PARENT_ATTACHED, parent=e.parent, version=node.flow.version, path=list(e.path), planned=e.planned)
     elif isinstance(e, membership.ParentRefused):
         log.info("parent_refused", parent=e.parent, reason=e.reason)
+        if (
+            node.cert is not None
+            and e.reason.startswith("its certificate")
+            and ("revoked" in e.reason or "expired" in e.reason)
+        ):
+            node.fail(f"refused by {e.parent}: {e.reason}")  # a member asks no more with a credential that ended
     elif isinstance(e, membership.ParentUnreachable):
         log.warning("parent_unreachable", parent=e.parent, reason=e.reason)
     elif isinstance(e, membership.ParentLost):

@@ -143,11 +143,21 @@ class Coordinator(Actor):
 
     mailbox_size = 1024
 
-    def __init__(self, pool: WorkPool, board: WorkBoard, flow: VersionFlow, down: Send) -> None:
+    def __init__(
+        self,
+        pool: WorkPool,
+        board: WorkBoard,
+        flow: VersionFlow,
+        down: Send,
+        may_work: Callable[[str], bool] = lambda _: True,
+    ) -> None:
         self.pool = pool
         self.board = board
         self.flow = flow
         self.down = down
+        self.may_work = may_work
+        """Whether a worker may be granted work now (a pool member that lost its place while its want
+        waited in the mailbox may not)."""
 
     async def main(self) -> None:
         """Expire leases at their instant even when no message comes; answer parked wants when room
@@ -163,7 +173,7 @@ class Coordinator(Actor):
 
     async def receive(self, msg: Message) -> None:
         m, now = msg.msg, self.clock.now()
-        if not isinstance(m, Want | Renew | Result):
+        if not isinstance(m, Want | Renew | Result) or (isinstance(m, Want) and not self.may_work(m.w)):
             return
         t = time.perf_counter()
         current = self.flow.version or 0

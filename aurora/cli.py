@@ -231,8 +231,11 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Add members to the pool's revocation file, keys.dir/POOL.revoked (one name a line). "
         "The trainer and the pool's parents read it again whenever it changes: a revoked member is "
         "refused at its next hello, and one that is attached loses its place at its next work message "
-        "(the trainer evicts it). On a deployment, the file must be where the trainer's key directory "
-        "is. The topology's pools[].revoked revokes too (read at start).",
+        "(the trainer evicts it; its aurora node then exits non-zero). The file is the one in the key "
+        "directory of the topology given here: the trainer must read that very file (on one machine, "
+        "or a shared directory; the bundle aurora deploy writes is read-only on Kubernetes and copied "
+        "once on SkyPilot, so revoke there with pools[].revoked and restart the trainer). The topology's "
+        "pools[].revoked revokes too (read at start).",
     )
     r.add_argument("--topology", type=Path, required=True, help="the topology YAML file")
     r.add_argument("--pool", required=True, help="the pool")
@@ -1072,7 +1075,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         if not eq or not n.isdigit():
             raise AuroraError(f"--members {m!r}: expected POOL=N")
         members[pool] = members.get(pool, 0) + int(n)
-    d, files = deploy(args.topology, args.to, args.out, members, _duration_s(args.member_ttl))
+    d, files = deploy(args.topology, args.to, args.out, members, _duration_s(args.member_ttl, "--member-ttl"))
     print(f"wrote {args.out}: {len(d.units)} nodes of {args.topology} for {args.to}")
     for u in d.units:
         gpu = f", {u.gpus} GPU" if u.gpus else ""
@@ -1118,10 +1121,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             view.close()
 
 
-def _duration_s(text: str) -> float:
+def _duration_s(text: str, option: str = "--ttl") -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if m is None:
-        raise AuroraError(f"--ttl {text!r}: expected seconds, or a number with s, m, h or d")
+        raise AuroraError(f"{option} {text!r}: expected seconds, or a number with s, m, h or d")
     return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
 
 

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -186,16 +187,27 @@ async def run_node(
                 if ready is not None:
                     ready()
                 stopping = asyncio.ensure_future(stop.wait())
+                failing = asyncio.ensure_future(node.failed.wait())  # a pool member's credential refused
+                expiring = None
+                if credential is not None:  # a member stops at its credential's expiry (wall-clock)
+                    expiring = asyncio.ensure_future(clock.sleep(max(0.0, credential.cert.expires - time.time())))
+                waits = {stopping, failing, sup_task, *([expiring] if expiring is not None else [])}
                 try:
-                    await asyncio.wait({stopping, sup_task}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    await cancel_and_wait(stopping)
+                    for w in (stopping, failing, expiring):
+                        if w is not None:
+                            await cancel_and_wait(w)
+                if expiring is not None and expiring.done() and not expiring.cancelled():
+                    node.fail("its pool credential expired: enroll a new one (aurora keys enroll)")
                 log.info("node_stopping")
                 sup.stop()
                 try:
                     await sup_task  # raises RestartIntensityExceeded if that is why it ended
                 finally:
                     await zt.close()
+                if node.failure is not None:
+                    raise AuthError(f"{name}: {node.failure}")
     finally:
         node.tracker.close()  # the trainer's TensorBoard/W&B files flushed, however the node ends
 
@@ -246,7 +258,9 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
     if node.pool is not None:
         pool, board, learner = node.pool, node.board, node.learner
         assert learner is not None
-        specs.append(ChildSpec("coordinator", actor=lambda: Coordinator(pool, board, node.flow, node.down)))
+        specs.append(
+            ChildSpec("coordinator", actor=lambda: Coordinator(pool, board, node.flow, node.down, node.may_work))
+        )
         specs.append(
             ChildSpec(
                 "publisher",

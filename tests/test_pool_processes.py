@@ -249,6 +249,8 @@ def test_members_join_leave_and_are_refused_and_the_run_completes(cluster: Clust
         "m2 to lose its place",
     )
     wait_until(lambda: any("revoked" in e["reason"] for e in c.ev(m2, "parent_refused")), 30, "m2 to be refused")
+    assert c.procs[m2].wait(30) != 0  # a member whose credential ended stops, saying why
+    assert any("revoked" in e["reason"] for e in c.ev(m2, "node_failed"))
 
     stayed = [*NAMED[1:], m3]
     wait_until(lambda: all(c.version(n) >= STEPS for n in stayed), 240, f"version {STEPS} everywhere")

@@ -153,19 +153,26 @@ def test_revocations_are_read_again_when_the_file_changes(topo_file: Path) -> No
     cred = enroll(topo, str(topo_file), "spot", 3600, NOW)
     revs = Revocations(topo, str(topo_file))
     pools, keys = {"spot": topo.pool("spot")}, pool_verifiers(topo, str(topo_file))
-    assert revs.of("spot") == frozenset()
+    assert revs.of("spot", 0.0) == frozenset()
     path, new = revoke(topo, str(topo_file), "spot", [cred.name, cred.name])
     assert new == [cred.name]
-    assert revs.of("spot") == {cred.name}
-    why = check_cert(cred.cert, cred.name, "relay", pools, keys, NOW, revs.of("spot"))
+    assert revs.of("spot", 0.5) == frozenset()  # looked at most once a second
+    assert revs.of("spot", 1.0) == {cred.name}
+    why = check_cert(cred.cert, cred.name, "relay", pools, keys, NOW, revs.of("spot", 1.0))
     assert why is not None
     assert "revoked" in why
     assert revoke(topo, str(topo_file), "spot", [cred.name])[1] == []
+    other = member_name("spot", CurveKeys.generate().public)
+    path.write_bytes(path.read_bytes() + b"# no newline at the end")  # an editor's
+    assert revoke(topo, str(topo_file), "spot", [other])[1] == [other]
+    assert revs.of("spot", 2.0) == {cred.name, other}  # the two names did not run together
     path.write_text("# nobody\n")
     os.utime(path, ns=(1, 1))  # a new mtime, whatever the clock's resolution
-    assert revs.of("spot") == frozenset()
+    assert revs.of("spot", 3.0) == frozenset()
+    path.chmod(0o000)  # unreadable (as root it still reads: either way, nothing is lost)
+    assert revs.of("spot", 4.0) == frozenset()
     path.unlink()
-    assert revs.of("spot") == frozenset()
+    assert revs.of("spot", 5.0) == frozenset()
     with pytest.raises(ConfigError, match="not a member name"):
         revoke(topo, str(topo_file), "spot", ["rollout-1"])
 

@@ -18,8 +18,12 @@ the file or the topology field.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import math
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +43,6 @@ from aurora.config.topology import PoolSpec, Topology
 from aurora.errors import ConfigError
 from aurora.protocol.messages import MemberCert
 from aurora.protocol.roster import MEMBER_HASH_HEX, member_pool
-from aurora.store.atomic import write_bytes
 
 CREDENTIAL_FORMAT = "aurora-pool-credential/1"
 _SIGNED = b"aurora pool member v1\x00"
@@ -47,6 +50,8 @@ _SIGNED = b"aurora pool member v1\x00"
 MAX_CREDENTIAL_BYTES = 4096
 MAX_REVOKED_BYTES = 1 << 20
 """A revocation file is read up to this size (some 30,000 member names)."""
+RECHECK_S = 1.0
+"""A revocation file is looked at (stat) at most this often by a node."""
 
 
 def member_name(pool: str, key: bytes) -> str:
@@ -193,34 +198,44 @@ def check_credential(topo: Topology, file: str | None, cred: Credential, now: fl
 
 class Revocations:
     """Each pool's revocation file, ``keys.dir/POOL.revoked`` (one member name a line; ``#`` comments),
-    read again whenever it changes: an operator revokes a member while the cluster runs (``aurora keys
+    read again when it changes: an operator revokes a member while the cluster runs (``aurora keys
     revoke``), besides the topology's ``pools[].revoked``. A file that is missing revokes no one; one
-    that cannot be read keeps what was last read from it."""
+    that cannot be read (or stat-ed) keeps what was last read from it. The file is looked at most once
+    every `RECHECK_S` (``now`` comes from the caller's clock), and read again when its inode, size or
+    mtime changed, or when it was written within `RECHECK_S` of the last look (a coarse clock cannot
+    hide a write)."""
 
     def __init__(self, topo: Topology, file: str | None) -> None:
         d = key_dir(topo, file)
         self.paths = {} if d is None else {p.name: d / f"{p.name}.revoked" for p in topo.pools}
         self.static = {p.name: frozenset(p.revoked) for p in topo.pools}
-        self._read: dict[str, tuple[float, frozenset[str]]] = {}
+        self._read: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+        self._looked: dict[str, float] = {}
 
-    def of(self, pool: str) -> frozenset[str]:
-        """The members of ``pool`` revoked now."""
+    def of(self, pool: str, now: float) -> frozenset[str]:
+        """The members of ``pool`` revoked at ``now``."""
         path = self.paths.get(pool)
-        extra: frozenset[str] = frozenset()
-        if path is not None:
-            try:
-                mtime = path.stat().st_mtime_ns
-            except OSError:
-                mtime = None
-            if mtime is None:
-                self._read.pop(pool, None)
-            else:
-                cached = self._read.get(pool)
-                if cached is None or cached[0] != mtime:
-                    names = read_revoked(path)
-                    self._read[pool] = (mtime, names if names is not None else (cached[1] if cached else frozenset()))
-                extra = self._read[pool][1]
-        return self.static.get(pool, frozenset()) | extra
+        if path is not None and now - self._looked.get(pool, -math.inf) >= RECHECK_S:
+            self._looked[pool] = now
+            self._look(pool, path)
+        cached = self._read.get(pool)
+        return self.static.get(pool, frozenset()) | (cached[1] if cached else frozenset())
+
+    def _look(self, pool: str, path: Path) -> None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            self._read.pop(pool, None)
+            return
+        except OSError:
+            return  # keep what was last read
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._read.get(pool)
+        fresh = time.time() - st.st_mtime < 2 * RECHECK_S  # written just now: read it again whatever the key
+        if cached is None or cached[0] != key or fresh:
+            names = read_revoked(path)
+            if names is not None:
+                self._read[pool] = (key, names)
 
 
 def read_revoked(path: Path) -> frozenset[str] | None:
@@ -233,8 +248,10 @@ def read_revoked(path: Path) -> frozenset[str] | None:
 
 
 def revoke(topo: Topology, file: str | None, pool: str, members: list[str]) -> tuple[Path, list[str]]:
-    """Add ``members`` to ``pool``'s revocation file (written whole, atomically); returns the file and
-    the names that were not in it yet. Raises `ConfigError` for a name that is no member of the pool."""
+    """Add ``members`` to ``pool``'s revocation file (appended under an exclusive lock, so two at once
+    lose nothing; never past `MAX_REVOKED_BYTES`, which is all a node reads); returns the file and the
+    names that were not in it yet. Raises `ConfigError` for a name that is no member of the pool, or a
+    file that would grow too big."""
     spec = _pool(topo, pool, file)
     for m in members:
         if member_pool(m, {spec.name: spec}) != spec.name:
@@ -243,10 +260,24 @@ def revoke(topo: Topology, file: str | None, pool: str, members: list[str]) -> t
     if d is None:
         raise ConfigError("the topology names no key directory (keys: {dir: ...})", file=file, path="keys.dir")
     path = d / f"{spec.name}.revoked"
-    have = read_revoked(path) or frozenset()
-    new = [m for m in dict.fromkeys(members) if m not in have]
-    text = path.read_text() if path.exists() else f"# members of pool {spec.name} refused (aurora keys revoke)\n"
-    write_bytes(path, (text + "".join(m + "\n" for m in new)).encode())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    with os.fdopen(fd, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        have = frozenset(line.split("#", 1)[0].strip() for line in text.decode(errors="replace").splitlines())
+        new = [m for m in dict.fromkeys(members) if m not in have]
+        head = b"" if text else f"# members of pool {spec.name} refused (aurora keys revoke)\n".encode()
+        add = head + (b"\n" if text and not text.endswith(b"\n") else b"") + "".join(m + "\n" for m in new).encode()
+        if len(text) + len(add) > MAX_REVOKED_BYTES:
+            raise ConfigError(
+                f"{path} would hold more than {MAX_REVOKED_BYTES} bytes, all a node reads: start a new pool "
+                "with a new key instead",
+                file=file,
+            )
+        f.write(add)
+        f.flush()
+        os.fsync(f.fileno())
     return path, new
 
 

@@ -104,7 +104,11 @@ class Deployment:
 def dns_label(name: str, what: str, file: str) -> str:
     """``name`` as a DNS-1123 label (lower case, ``_`` and ``.`` as ``-``), or a `ConfigError`."""
     label = re.sub(r"[_.]", "-", name.lower())
-    if len(label) > 50 or not _DNS.fullmatch(label):
+    if len(label) > 50:
+        raise ConfigError(
+            f"{what} {name!r} makes a DNS name of {len(label)} characters (at most 50): shorten it", file=file
+        )
+    if not _DNS.fullmatch(label):
         raise ConfigError(f"{what} {name!r} makes no DNS name ({label!r}); use letters, digits and '-'", file=file)
     return label
 
