@@ -412,9 +412,9 @@ class WorkPool:
         return self.table.events()
 
     def leave(self, worker: str, now: float) -> list[LeaseExpired]:
-        """``worker`` is gone for good (a pool member that lost its place): its leases end now and their
-        prompts go back to the pool (returned, with any that expired meanwhile), and what the pool
-        kept about it is forgotten."""
+        """``worker`` is gone for good (a revoked pool member): its leases end now and their prompts go
+        back to the pool (returned, with any that expired meanwhile), and what the pool kept about it
+        is forgotten."""
         self.table.revoke(worker, now)
         for table in (self.parked, self.asked, self.served):
             table.pop(worker, None)
