@@ -261,3 +261,17 @@ def test_members_join_leave_and_are_refused_and_the_run_completes(cluster: Clust
     assert not report.violations, report.violations[:5]
     accepted_by = {e.get("worker") for e in c.ev("trainer", RESULT_ACCEPTED)}
     assert {m1, m2, m3, "rollout-1"} <= accepted_by
+
+
+def test_a_member_stops_when_its_credential_expires(cluster: Cluster) -> None:
+    """A member whose credential runs out while it works is cut off by its parent and stops by itself,
+    its `aurora node` exiting non-zero with the reason."""
+    c = cluster
+    c.start("trainer")
+    c.start("relay")
+    wait_until(lambda: c.ev("relay", PARENT_ATTACHED), 180, "the relay to attach")
+    path, cred = c.credential("short", ttl_s=25)
+    m = c.start_member(path, cred)
+    wait_until(lambda: c.ev(m, PARENT_ATTACHED), 60, "the member to attach")
+    assert c.procs[m].wait(60) != 0
+    assert any("expired" in e["reason"] for e in c.ev(m, "node_failed"))
