@@ -356,8 +356,8 @@ class Node:
         return why
 
     def _left(self, now: float) -> None:
-        """Trainer: forget the members not heard from for the roster's ``hold_s``; their leases end at once
-        (their prompts go back to the pool)."""
+        """Trainer: forget the members not heard from for the roster's ``hold_s``; their leases run out as
+        any worker's."""
         assert self.roster is not None
         for gone in self.roster.prune(now):
             # its leases run on: a member behind a relay that failed over comes back under them

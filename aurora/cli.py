@@ -102,7 +102,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "2 equal workers, a worker twice as fast as another, and 3 equal workers; learner steps of "
         "0.2 s, 2 s and 7 s; engines whose batch takes the same time whatever its size (vLLM, the "
         "synthetic engine) or a time per prompt. Prints each worker's share of the accepted results "
-        "next to its share of the generation speed, the learner's steps, and the largest gap. "
+        "next to its share of the generation speed, the part of its results it returned too stale, the "
+        "learner's steps, and the largest gap. "
         "Deterministic (seeded); seconds.",
     )
     le.add_argument("--seconds", type=float, default=600.0, help="simulated seconds per case (default 600)")
@@ -230,7 +231,7 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="revoke pool members' credentials",
         description="Add members to the pool's revocation file, keys.dir/POOL.revoked (one name a line). "
         "The trainer and the pool's parents read it again whenever it changes: a revoked member is "
-        "refused at its next hello, and one that is attached loses its place at its next work message "
+        "refused at its next hello, and one that is attached loses its place within about two seconds "
         "(the trainer evicts it; its aurora node then exits non-zero). The file is the one in the key "
         "directory of the topology given here: the trainer must read that very file (on one machine, "
         "or a shared directory; the bundle aurora deploy writes is read-only on Kubernetes and copied "
@@ -403,8 +404,9 @@ def _add_deploy(sub: Any) -> None:
         "GPUs and ports: skypilot/*.yaml). Every node runs `aurora node` in the image deploy.image "
         "(deploy.gpu_image where deploy.gpus gives its role GPUs; docker/*.Dockerfile build them), is "
         "restarted by the engine when its process ends, mounts the same bundle/ (the topology rewritten "
-        "for the engine, every public key, the task's files) and only its own secrets/NODE/ (its CurveZMQ "
-        "secret key; the trainer's signing key on the trainer). DIR must be new or empty; it is written "
+        "for the engine, every public key, the task's files, a kind: python learner's code) and only its "
+        "own secrets/NODE/ (its CurveZMQ secret key; the trainer's signing key on the trainer; a pool "
+        "member's credential, member.json, for --members). DIR must be new or empty; it is written "
         "whole or not at all. The topology needs its keys (aurora keys generate --topology T.yaml).",
     )
     p.add_argument("topology", type=Path, help="the topology YAML file")

@@ -25,8 +25,8 @@ Invariants: a version is published only from your loop's `publish` (one per batc
 copy of the module's parameters; the node's thread ends when the loop is left (also at interpreter
 exit, and on an exception in your loop, which is never hidden by one of the node's); an exception in
 the node is raised in your loop, at `batches`, `publish` or the end of the ``with``; your model is
-read at the start and in `publish` (your thread), and written only at a resume (the node's thread,
-before the first batch); your tokenizer is never used by the node (it uses a copy, under a lock).
+read at the start and in `publish`, and written only at a resume, in `start` (all in your thread;
+the node's thread only keeps the resumed version); your tokenizer is never used by the node (it uses a copy, under a lock).
 """
 
 from __future__ import annotations

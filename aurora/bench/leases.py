@@ -7,7 +7,9 @@ asynchronous, 30 s TTL — for ``seconds`` of simulated time, for equal workers 
 twice as fast as the other, with a learner step of 0.2 s (generation is the bottleneck), 2 s and
 7 s (the learner is; the main job's is about 7 s here), and workers whose batch takes the same
 time whatever its size (vLLM, the synthetic engine) or a time per prompt. It prints each worker's
-share of the accepted results next to its share of the generation speed, and the learner's steps.
+share of the accepted results next to its share of the generation speed, the part of the results
+it returned that were refused as too stale, the learner's steps, and the worst gap (the largest
+|share / speed's share − 1|).
 """
 
 from __future__ import annotations

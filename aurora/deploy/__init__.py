@@ -3,7 +3,8 @@ SkyPilot — one service, pod or task per node, each with its own secret keys on
 
 `build` plans the `Deployment` (`aurora.deploy.plan`), `aurora.deploy.engines` renders it, and
 `write` puts it in a new directory: the engine's files, ``bundle/`` (what every node mounts at
-``/etc/aurora``: the rewritten topology, the public keys, the task's files) and ``secrets/NODE/``
+``/etc/aurora``: the rewritten topology, the public keys, the task's files, a ``kind: python``
+learner's code) and ``secrets/NODE/``
 (what node NODE alone mounts at ``/run/aurora/secret``; mode 0700, its files 0600). Members of a
 pool (``--members POOL=N``) are units too, each with a credential of its own (``member.json``),
 enrolled with the pool's secret key when the deployment is written. An engine file

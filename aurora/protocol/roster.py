@@ -12,9 +12,10 @@ Rules and invariants (tests/test_roster.py):
   and its work messages); one not heard from for ``hold_s`` has left, and its place is free for
   the next — a member killed without a word frees its place within ``hold_s``;
 * `join` and `seen` of a member that holds a place only refresh it (a member that re-attaches
-  elsewhere, or is heard again after a partition, takes one place, never two); `seen` of a member
-  without one gives it one only while there is room (it was admitted, lost its place to silence,
-  and is back);
+  elsewhere takes one place, never two); `seen` of a member without one would give it one while
+  there is room, but the trainer calls it only for members that hold one (one that lost its place
+  is evicted and must `join` again);
+* `remove` takes a member's place away (a revoked one);
 * names outside every pool are not members and never get a place.
 
 Pure: ``now`` comes in as an argument; nothing here reads a clock, opens a socket or logs (the
