@@ -308,9 +308,9 @@ class Node:
             return "a pool member shows its certificate with its hello"
         if key is not None and cert.key != key:
             return "its certificate is of another key than the one it connected with"
-        why = check_cert(cert, member, self.name, self.pools, self.pool_keys, time.time(), self._revoked(cert.pool))
+        why = self._cert_problem(cert, member, self.name)
         if why is not None:
-            return f"its certificate {why}"
+            return why
         if probe:
             return None
         if self.roster is not None:
@@ -346,14 +346,19 @@ class Node:
         now = self.clock.now()
         self._left(now)
         had = self.roster.holds(member)
-        why = check_cert(cert, member, parent, self.pools, self.pool_keys, time.time(), self._revoked(cert.pool))
-        why = f"its certificate {why}" if why is not None else self.roster.join(member, now)
+        why = self._cert_problem(cert, member, parent) or self.roster.join(member, now)
         if why is not None:
             if (suppressed := _quiet.allow(f"member/{member}", now)) is not None:
                 log.warning(POOL_MEMBER_REFUSED, member=member, reason=why, suppressed=suppressed)
         elif not had:
             log.info(POOL_MEMBER_JOINED, member=member, pool=self.roster.pool_of(member), members=self.roster.members())
         return why
+
+    def _cert_problem(self, cert: MemberCert, member: str, parent: str) -> str | None:
+        """Why ``cert`` does not let ``member`` attach under ``parent`` now (`check_cert`, this node's pool
+        keys and revocations), or None."""
+        why = check_cert(cert, member, parent, self.pools, self.pool_keys, time.time(), self._revoked(cert.pool))
+        return None if why is None else f"its certificate {why}"
 
     def _left(self, now: float) -> None:
         """Trainer: forget the members not heard from for the roster's ``hold_s``; their leases run out as
@@ -380,12 +385,12 @@ class Node:
         """Trainer: pool member ``member`` was heard from (a report, a work message): does it hold a
         place? Only a member that holds one keeps it; one that lost its place (silent for too long) is
         told so (`evict`) and must say hello again."""
-        if self.roster is None or self.rules.pool_of(member) is None:
+        pool = self.rules.pool_of(member)
+        if self.roster is None or pool is None:
             return False
         now = self.clock.now()
         self._left(now)
-        pool = self.rules.pool_of(member)
-        if pool is not None and member in self._revoked(pool) and self.roster.holds(member):
+        if member in self._revoked(pool) and self.roster.holds(member):
             self._leave(member, now, "its credential was revoked", end_leases=True)
         return self.roster.holds(member) and self.roster.seen(member, now)
 

@@ -50,6 +50,7 @@ from aurora.config.plan import plan
 from aurora.config.rl import LoopSpec
 from aurora.config.topology import Topology, load_topology
 from aurora.errors import AuroraError, ConfigError, LearnerError
+from aurora.rl.learners.base import bf16_weights
 from aurora.rl.model import Tokenizer
 from aurora.rl.tasks import make_task
 from aurora.rl.types import Completion, Prompt
@@ -376,13 +377,8 @@ class TrainerLoop:
                 return None
             tensors = {n: cast_tensor(full[n]) for n in names}
         else:
-            tensors = {n: p.detach() for n, p in self.model.named_parameters()}
-        with torch.no_grad():
-            cast = {n: t.to(device="cpu", dtype=torch.bfloat16, copy=True) for n, t in tensors.items()}
-        bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
-        if bad:
-            raise LearnerError(f"the module holds non-finite values (first in {bad[0]!r}); not published")
-        return Weights.from_tensors(cast)
+            tensors = dict(self.model.named_parameters())
+        return bf16_weights(tensors, "the module")
 
     def _restore(self, weights: Weights, version: int) -> None:
         """In the node's thread, at its start: the store's newest version (`start` then sets the module)."""

@@ -50,6 +50,7 @@ from aurora.errors import AuthError, ConfigError, StoreError
 from aurora.events import NODE_RESUMED, NODE_STARTED, RESULTS_RESTORED, STORE_VERSION_UNUSABLE, TRAINER_RESUMED
 from aurora.protocol.leases import LeaseHolder
 from aurora.protocol.messages import MAX_MANIFEST_BYTES
+from aurora.protocol.roster import member_pool
 from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import Learner, make_learner
@@ -237,11 +238,11 @@ def as_member(topo: Topology, tree: Tree, credential: Credential) -> tuple[Topol
 
 def _members_rule(pools: list[PoolSpec]) -> Callable[[str, bytes], bool]:
     """Whether a CurveZMQ key is that of the pool member it claims to be (of a pool parented here)."""
-    names = {p.name for p in pools}
+    names = {p.name: p for p in pools}
 
     def rule(claimed: str, key: bytes) -> bool:
-        pool = claimed.rpartition(".")[0]
-        return pool in names and member_name(pool, key) == claimed
+        pool = member_pool(claimed, names)
+        return pool is not None and member_name(pool, key) == claimed
 
     return rule
 

@@ -122,16 +122,12 @@ def math_answer(prompt: str, completion: str, answer: str) -> Score:
 BUILT_IN: dict[str, RewardFn] = {"exact": exact, "number": number, "math": math_answer}
 
 
-def _import(mod_name: str, reward_dir: str | None) -> Any:
-    return import_beside(mod_name, reward_dir, "aurora_reward")
-
-
 def load_function(ref: str, reward_dir: str | None) -> Callable[..., Any]:
     """The function ``module:function`` names, checked to take (prompt, completion, answer); raises
     `ConfigError` naming it."""
     mod_name, _, fn_name = ref.partition(":")
     try:
-        mod = _import(mod_name, reward_dir)
+        mod = import_beside(mod_name, reward_dir, "aurora_reward")
     except BaseException as e:  # a user's module may raise anything while it loads, exit() included
         if isinstance(e, KeyboardInterrupt):
             raise

@@ -16,7 +16,7 @@ from reinforce import loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aurora.codec import Weights
-from aurora.rl.learners.base import LearnerContext
+from aurora.rl.learners.base import LearnerContext, bf16_weights
 from aurora.rl.types import Completion, Prompt
 
 
@@ -39,9 +39,7 @@ class Reinforce:
         self.stats: dict[str, Any] = {}
 
     def _weights(self) -> Weights:
-        return Weights.from_tensors(
-            {n: p.detach().to("cpu", torch.bfloat16, copy=True) for n, p in self.model.named_parameters()}
-        )
+        return bf16_weights(dict(self.model.named_parameters()), "the model")
 
     def initial(self) -> Weights:
         return self._weights()

@@ -13,14 +13,16 @@ of your own that wants to call rather than be called uses `aurora.loop.TrainerLo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from aurora.codec import Weights
 from aurora.config.rl import ModelSpec
-from aurora.errors import ConfigError
+from aurora.errors import ConfigError, LearnerError
 from aurora.rl.tasks import Task
 from aurora.rl.types import Prompt
 
@@ -101,3 +103,15 @@ def check_learner(obj: object, made_by: str) -> Learner:
             path="learner.factory",
         )
     return obj  # type: ignore[return-value]
+
+
+def bf16_weights(tensors: Mapping[str, torch.Tensor], whose: str) -> Weights:
+    """A version: the bf16 cast of ``tensors``, on the CPU, in memory of its own (a version never moves
+    with the tensors it was cast from). Raises `LearnerError` naming the first tensor with a non-finite
+    value (``whose`` says whose weights they are) rather than return such a version."""
+    with torch.no_grad():
+        cast = {n: t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True) for n, t in tensors.items()}
+        bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise LearnerError(f"{whose} would hold non-finite values (first in {bad[0]!r}); not published")
+    return Weights.from_tensors(cast)

@@ -42,10 +42,10 @@ from safetensors.torch import load_file, save_file
 
 from aurora.codec import Weights
 from aurora.config.rl import GrpoSpec, ModelSpec
-from aurora.errors import ConfigError, LearnerError
+from aurora.errors import ConfigError
 from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
 from aurora.rl.evaluate import Evaluator
-from aurora.rl.learners.base import LearnerContext
+from aurora.rl.learners.base import LearnerContext, bf16_weights
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.tasks import Task
 from aurora.rl.types import Completion, Prompt
@@ -175,14 +175,7 @@ class GrpoLearner:
     def weights(self) -> Weights:
         """The bf16 cast of the master weights: the next version. Raises `LearnerError` rather than
         return one with a non-finite value."""
-        with torch.no_grad():
-            cast = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
-            bad = [n for n, t in cast.items() if not bool(torch.isfinite(t).all())]
-        if bad:
-            raise LearnerError(
-                f"version {self.version} would hold non-finite values (first in {bad[0]!r}); not published"
-            )
-        self._published = Weights.from_tensors(cast)
+        self._published = bf16_weights(self.params, f"version {self.version}")
         return self._published
 
     def _reward_errors(self) -> int:
