@@ -712,9 +712,8 @@ async def _serve_hello(node: TreeView, ch: Channel) -> None:
         log.info("child_credential_expired", child=ch.peer)
         await ch.close("its pool credential expired")
     finally:
-        if member:  # its work routes go with it (a member attaches again only with a new hello)
-            for w in [w for w, c in node.routes.via.items() if c == ch.peer]:
-                node.routes.via.pop(w, None)
+        if member and node.routes.via.get(ch.peer) == ch.peer:  # a member speaks only for itself: its
+            del node.routes.via[ch.peer]  # route goes with it (it attaches again only with a new hello)
 
 
 async def _from_child(node: TreeView, ch: Channel) -> None:
