@@ -191,11 +191,12 @@ def _assert_greedy_like_the_reference(
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_a_delta_written_in_place_computes_like_the_reference(
+def test_vllm_a_delta_goes_in_through_the_aurora_backend_and_computes_like_the_reference(
     model: ModelSpec, versions: list[Weights], engines: Callable[..., Engine]
 ) -> None:
-    """A switch by delta takes the direct path (each touched layer repacked by its own method),
-    not vLLM's reload; what the engine then computes, LM head included, is the new version's."""
+    """A switch by delta stages only the touched tensors' groups and vLLM's own reload takes them
+    (name mapping, fusing, repacking); the engine reads back only what was staged, and what it then
+    computes, LM head included, is the new version's."""
     engine = engines("vllm", temperature=0.0, max_new_tokens=8)
     host = versions[0].copy()
     engine.apply(_full(0, host))
@@ -203,33 +204,35 @@ def test_vllm_a_delta_written_in_place_computes_like_the_reference(
     touched = receive(d.manifest, d.chunks).stage(host).commit(host)
     assert _head(host) in touched
     assert any("q_proj" in n for n in touched)
-    reloads = engine.full_reloads  # type: ignore[attr-defined]
+    reloads, partial = engine.full_reloads, engine.partial_updates  # type: ignore[attr-defined]
     engine.apply(WeightUpdate(2, d.manifest.target_digest, host, touched))
-    assert engine._direct, "the direct write failed over to vLLM's reload"  # type: ignore[attr-defined]
-    assert engine.full_reloads == reloads, "the direct write did not hash to the digest"  # type: ignore[attr-defined]
+    assert engine.partial_updates == partial + 1  # type: ignore[attr-defined]
+    assert engine.full_reloads == reloads, "the staged update did not hash to the digest"  # type: ignore[attr-defined]
+    assert _bits_equal(engine.weights(), versions[2])
     _assert_greedy_like_the_reference(engine, model, versions[2], 2, _bf16(model))
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_a_direct_write_that_fails_falls_back_to_vllms_reload(
+def test_vllm_an_update_that_fails_in_the_backend_is_retried_with_every_tensor(
     versions: list[Weights], engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aurora.rl.engines.vllm_engine as ve
+    """The backend refuses a staged file with part of a fused group (before loading anything); the
+    engine then stages every tensor, and serves the version bit for bit."""
+    import aurora.rl.engines.vllm_backend as vb
 
-    def unknown_layer(worker: object, fused: object) -> None:
-        raise AttributeError("'Mystery' object has no attribute 'weight'")
-
-    engine = engines("vllm", seed=11)  # its own engine: this one stays on the fallback
+    engine = engines("vllm", seed=11)
     host = versions[0].copy()
     engine.apply(_full(0, host))
-    monkeypatch.setattr(ve, "_write_in_place", unknown_layer)
     d = encode(versions[0], versions[1], base_version=0, target_version=1)
     touched = receive(d.manifest, d.chunks).stage(host).commit(host)
+    monkeypatch.setattr(vb, "staged_names", lambda touched, names: {n for n in touched if "k_proj" not in n})
+    partial = engine.partial_updates  # type: ignore[attr-defined]
     engine.apply(WeightUpdate(1, d.manifest.target_digest, host, touched))
     assert engine.version == 1
-    assert not engine._direct  # type: ignore[attr-defined]
+    assert engine.partial_updates == partial  # type: ignore[attr-defined]
     assert _bits_equal(engine.weights(), versions[1])
+    assert not list(engine.staging.iterdir())  # type: ignore[attr-defined]  # staged files are removed
 
 
 @pytest.mark.vllm

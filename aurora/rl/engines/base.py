@@ -86,10 +86,17 @@ class VerifiedApply:
         """Copy the named tensors (None: every one) from ``host`` into the engine."""
         raise NotImplementedError
 
+    def _effective_digest(self) -> bytes:
+        """The digest of the weights the engine now computes with (after a `_copy`)."""
+        return self.weights().digest()
+
+    def _verified(self) -> None:
+        """The weights just copied hashed to the version's digest (a hook for engines that remember it)."""
+
     def apply(self, update: WeightUpdate) -> None:
         self.version = None  # serving nothing until the check passes
         self._copy(update.weights, update.touched)
-        if self.weights().digest() != update.digest:
+        if self._effective_digest() != update.digest:
             log.warning(
                 "engine_full_reload",
                 version=update.version,
@@ -98,8 +105,9 @@ class VerifiedApply:
             )
             self.full_reloads += 1
             self._copy(update.weights, None)
-            if self.weights().digest() != update.digest:
+            if self._effective_digest() != update.digest:
                 raise DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")
+        self._verified()
         self.version = update.version
 
     def _serving(self, version: int) -> None:

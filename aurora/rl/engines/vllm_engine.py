@@ -1,31 +1,30 @@
-"""`VllmEngine`: rollouts from a real vLLM `LLM`, its weights updated in place between batches.
+"""`VllmEngine`: rollouts from a real vLLM `LLM`; versions go in through Aurora's weight-transfer backend.
 
 The engine runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-the ``uni`` executor), so a weight update is a function call, not a copy to
-another process. It reads the model directory's config and tokenizer; the
-weights it serves come from the tree, like every engine's.
+the ``uni`` executor). It reads the model directory's config and tokenizer;
+the weights it serves come from the tree, like every engine's.
 
-Applying a version (`apply`, via `VerifiedApply`): the node's host copy holds
-the checkpoint-format tensors. vLLM fuses q/k/v and gate/up into one
-parameter each, so a touched tensor brings its whole group, fused here
-(`_fused`). The groups go straight into vLLM's parameters (`_write_in_place`):
-a layer with a ``quant_method`` gets its new weight and re-runs that method's
-``process_weights_after_loading`` — what vLLM runs on each layer after loading,
-where the CPU backend repacks its linear weights (a bare ``copy_`` would leave
-the packed copy stale) — and any other parameter is copied into. The first
-load, and the retry after a failed check, go through
-``collective_rpc("reload_weights", weights_iterator=…)`` instead: vLLM's own
-in-place reload, the reference path (several times slower: its layer-by-layer
-machinery costs more than the copies). The prefix cache is cleared
-after every switch (cached KV blocks belong to the old weights).
+Applying a version (`apply`, via `VerifiedApply`): vLLM is started with
+``weight_transfer_config={"backend": "aurora"}``
+(`aurora.rl.engines.vllm_backend`), and a switch is vLLM's own weight-update
+session: the tensors the update touched — with every sibling under the same
+parent module, so a fused group is always whole — are staged as one
+safetensors file in the engine's private staging directory (in ``/dev/shm``
+where there is one), then ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` run through ``collective_rpc``, the worker methods
+vLLM's engine clients call. vLLM's layerwise reload maps the names, fuses,
+slices and repacks; no Aurora code writes into a vLLM layer. The prefix cache
+is cleared after every switch (cached KV blocks belong to the old weights).
+A first load, a retry after a failed check, and a retry after the backend
+refused or failed a partial update stage every tensor.
 
-Reading back (`weights`): parameters vLLM keeps as they are are read
-directly; the CPU backend's packed linear weights, and the LM head (it keeps
-its weight but computes with a packed copy), are read *through the kernel*,
-by multiplying the identity (one exact product per output, so ``x·W`` gives
-``W`` bit for bit), then split back into checkpoint names. A
-matmul cannot tell -0.0 from +0.0, so a zero read back takes the sign the host
-copy has there; every other bit is the engine's own.
+Verification: the backend reads back, in the worker, only the staged tensors
+as the kernels compute with them, and returns their digests (no tensor
+crosses back); the engine combines them with its record of the tensors it did
+not stage — their digests as read when their version was verified, not the
+host copy's — into the version digest. An update that understates what
+changed therefore leaves an old digest in, does not match, and is reloaded
+whole. `weights` reads every tensor back (tests, diagnostics).
 
 Sampling: ``n`` samples per prompt with one seed per prompt (from the engine
 seed, the version and the prompt id), log-probabilities of the sampled tokens
@@ -36,34 +35,41 @@ behaviour policy the learner's importance ratio needs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import re
+import shutil
 import sys
+import tempfile
 import warnings
+import weakref
 from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import structlog
-import torch
+from safetensors.torch import save_file
 
 from aurora.codec import Weights
+from aurora.codec.digest import version_digest
 from aurora.config.rl import EngineSpec
 from aurora.errors import ConfigError, DeltaFormatError
+from aurora.rl.engines import vllm_backend
 from aurora.rl.engines.base import VerifiedApply, prompt_ids, sample_seed
 from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt, Sample
 
-_FUSED = re.compile(r"^(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.(?P<leaf>weight|bias)$")
-_GROUP = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
-_PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-TIED_HEAD, TIED_EMBED = "lm_head.weight", "model.embed_tokens.weight"
 log = structlog.get_logger("aurora.rl.engines.vllm")
 
 
-def group_of(name: str) -> str:
-    """The vLLM parameter a checkpoint tensor is loaded into (fused groups share one)."""
-    m = _FUSED.match(name)
-    return f"{m['prefix']}.{_GROUP[m['part']]}.{m['leaf']}" if m else name
+class _UntouchedLayers(logging.Filter):
+    """vLLM's layerwise reload warns for each layer an update did not load; a partial update leaves
+    most layers so on purpose (they keep their weights), so those warnings say nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_UntouchedLayers())
 
 
 def in_process_env() -> None:
@@ -90,60 +96,17 @@ def _vllm_start() -> Iterator[None]:
             sys.modules["llvmlite.binding.ffi"] = hidden
 
 
-def _read_back(worker: Any) -> dict[str, torch.Tensor]:
-    """Runs in the vLLM worker: every parameter, packed linears and the LM head read through their kernel."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    model = worker.model_runner.get_model()
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            w = getattr(mod, "weight", None)
-            if not isinstance(w, torch.nn.Parameter) or not hasattr(mod, "quant_method"):
-                continue
-            if w.numel() == 0 or isinstance(mod, ParallelLMHead):
-                k = int(w.shape[1]) if w.numel() else int(mod.input_size_per_partition)
-                eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)
-                out[f"{name}.weight"] = mod.quant_method.apply(mod, eye).t().contiguous().cpu()
-        for name, p in model.named_parameters():
-            if p.numel() and name not in out:  # the LM head's kept weight was read through its kernel
-                out[name] = p.detach().clone()
-    return out
+def staging_dir() -> Path:
+    """A private directory for staged versions: in ``/dev/shm`` (memory) where there is one."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="aurora-stage-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
 
 
-def _write_in_place(worker: Any, fused: dict[str, torch.Tensor]) -> None:
-    """Runs in the vLLM worker: each vLLM parameter of ``fused`` takes its new value (module docstring)."""
-    model = worker.model_runner.get_model()
-    with torch.no_grad():
-        for name, t in fused.items():
-            owner, _, leaf = name.rpartition(".")
-            mod = model.get_submodule(owner)
-            p = getattr(mod, leaf)
-            method = getattr(mod, "quant_method", None)
-            if leaf == "weight" and method is not None:
-                if p.numel() == 0:  # packed away at load: a fresh weight for the method to pack again
-                    mod.weight = torch.nn.Parameter(t.to(p.device, copy=True).contiguous(), requires_grad=False)
-                else:
-                    p.copy_(t)
-                method.process_weights_after_loading(mod)
-            else:
-                p.copy_(t)
-
-
-def _repack_tied_head(worker: Any) -> None:
-    """Runs in the vLLM worker: the LM head shares the embedding's weight, but its kernel may compute
-    with a copy packed when it was loaded (the CPU backend packs by instruction set); neither a write
-    into the embedding nor vLLM's reload (which has no ``lm_head.weight`` to load) repacks it. Repack."""
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is not None and method is not None:
-        with torch.no_grad():
-            method.process_weights_after_loading(head)
+Entry = tuple[str, tuple[int, ...], bytes]
 
 
 class VllmEngine(VerifiedApply):
-    """`Engine` on a vLLM `LLM` (see the module docstring)."""
+    """`Engine` on a vLLM `LLM` with Aurora's weight-transfer backend (see the module docstring)."""
 
     def __init__(self, spec: EngineSpec) -> None:
         m = spec.the_model
@@ -152,9 +115,12 @@ class VllmEngine(VerifiedApply):
         in_process_env()
         from vllm import LLM
 
+        vllm_backend.register()
         self.spec = spec
         self.dir = m.directory()
         self.tok = Tokenizer.for_model(m)
+        self.staging = staging_dir()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.staging, True)
         with _vllm_start():
             self.llm = LLM(
                 model=str(self.dir),
@@ -165,86 +131,76 @@ class VllmEngine(VerifiedApply):
                 kv_cache_memory_bytes=spec.kv_cache_mb << 20,
                 logprobs_mode="processed_logprobs",
                 max_model_len=m.max_positions,
+                weight_transfer_config={"backend": vllm_backend.BACKEND},
             )
-        cfg = self.llm.llm_engine.model_config.hf_config
-        head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self._split = {
-            "qkv_proj": [cfg.num_attention_heads * head, cfg.num_key_value_heads * head, cfg.num_key_value_heads * head]
-        }
-        self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        """The LM head shares the embedding's weight (SmolLM2, Gemma): the checkpoint has no ``lm_head.weight``."""
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"staging": str(self.staging)}})
+        self._known: set[str] = set(self._rpc("names"))
+        """Every checkpoint name the engine's model holds."""
+        self._served: dict[str, Entry] = {}
+        """(dtype, shape, digest) of each tensor of the version served, as read back when it was verified;
+        empty while no version is (then the next switch stages every tensor)."""
+        self._candidate: dict[str, Entry] = {}
+        self._staged: tuple[Path, dict[str, Entry]] | None = None
         self._host: Weights | None = None
-        self._direct = True
-        """Switch versions by `_write_in_place`; False after it failed once (then `reload_weights`)."""
+        self._serial = 0
         self.version: int | None = None
+        self.partial_updates = 0
+        """Switches that staged only the touched tensors' groups (not every tensor)."""
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        return self.llm.collective_rpc(vllm_backend.call_backend, args=(method, *args))[0]
 
     # -- weights
     def _copy(self, host: Weights, names: Collection[str] | None) -> None:
         tensors = host.to_tensors()
-        unknown = [n for n in tensors if n not in self._names()]
+        unknown = sorted(n for n in tensors if n not in self._known)
         if unknown:
             raise DeltaFormatError(f"weights do not fit the model: unknown {unknown[:3]}")
-        written = False
-        if names is not None and self._direct:
-            try:
-                fused = self._fused(tensors, {group_of(n) for n in names})
-                if fused:
-                    self.llm.collective_rpc(_write_in_place, args=(fused,))
-                written = True
-            except (AttributeError, RuntimeError) as e:  # a layer this path does not know: vLLM's reload from now on
-                log.warning("vllm_direct_write_failed", error=repr(e), fallback="reload_weights")
-                self._direct = False
-        if not written:  # every tensor, through vLLM's own reload (the first load, a retry, a fallback)
-            batch: Iterator[tuple[str, torch.Tensor]] = iter(list(tensors.items()))
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
-        if self._tied and (names is None or not written or TIED_EMBED in names):
-            self.llm.collective_rpc(_repack_tied_head)
-        self.llm.reset_prefix_cache()
+        base, self._served = self._served, {}
+        partial = names is not None and bool(base)
+        stage = (
+            sorted(vllm_backend.staged_names(set(names), set(tensors)))
+            if partial and names is not None
+            else sorted(tensors)
+        )
+        self._serial += 1
+        path = self.staging / f"v{self._serial}.safetensors"
+        save_file({n: tensors[n] for n in stage}, str(path))
+        try:
+            self.llm.collective_rpc("start_weight_update")
+            self.llm.collective_rpc(
+                "update_weights", kwargs={"update_info": {"path": path.name, "version": self._serial}}
+            )
+            self.llm.collective_rpc("finish_weight_update")
+        except Exception as e:
+            path.unlink(missing_ok=True)
+            if not partial:
+                raise
+            log.warning("vllm_update_failed", error=repr(e), staged=len(stage), retry="every tensor")
+            return self._copy(host, None)
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self.partial_updates += partial
+        self._staged = path, base if partial else {}
         self._host = host
 
-    def _fused(self, tensors: dict[str, torch.Tensor], groups: set[str]) -> dict[str, torch.Tensor]:
-        """vLLM's parameters for ``groups``: fused ones concatenated from their parts, in vLLM's order."""
-        out: dict[str, torch.Tensor] = {}
-        for g in sorted(groups):
-            prefix, leaf = g.rsplit(".", 1)
-            owner, _, kind = prefix.rpartition(".")
-            if kind in _PARTS:
-                out[g] = torch.cat([tensors[f"{owner}.{part}_proj.{leaf}"] for part in _PARTS[kind]])
-            else:
-                out[g] = tensors[g]
-        return out
+    def _effective_digest(self) -> bytes:
+        """The served weights' digest from the engine's own reading of what was staged, and its record
+        of the tensors this update did not stage (read when their version was verified): an update
+        that understates what changed leaves an old tensor's digest in, and does not match."""
+        assert self._staged is not None
+        path, base = self._staged
+        try:
+            got = self._rpc("digests", path.name)
+        finally:
+            path.unlink(missing_ok=True)
+        self._candidate = {**base, **{n: (dt, tuple(shape), d) for n, (dt, shape, d) in got.items()}}
+        return version_digest((n, dt, shape, d) for n, (dt, shape, d) in self._candidate.items())
 
-    def _names(self) -> set[str]:
-        if not hasattr(self, "_checkpoint_names"):
-            self._checkpoint_names = set(self._untie(self._unfuse(self.llm.collective_rpc(_read_back)[0])))
-        return self._checkpoint_names
-
-    def _untie(self, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A model with tied embeddings has no ``lm_head.weight`` of its own (the checkpoint holds only
-        the embedding): the LM head read through its kernel must equal the embedding, and then it is
-        not a tensor of the version. If it differs (a stale copy the kernel computes with), it stays,
-        so the read-back cannot hash to the version's digest and the engine reloads."""
-        head, embed = got.get(TIED_HEAD), got.get(TIED_EMBED)
-        # equal as numbers: bit for bit but for the sign of zero, which a matmul cannot show
-        if self._tied and head is not None and embed is not None and torch.equal(head, embed):
-            del got[TIED_HEAD]
-        return got
-
-    def _unfuse(self, fused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, t in fused.items():
-            prefix, _, leaf = name.rpartition(".")
-            owner, _, kind = prefix.rpartition(".")
-            if leaf in ("weight", "bias") and kind in _PARTS:
-                sizes = self._split.get(kind) or [t.shape[0] // 2] * 2
-                for part, piece in zip(_PARTS[kind], torch.split(t, sizes), strict=True):
-                    out[f"{owner}.{part}_proj.{leaf}"] = piece.contiguous()
-            else:
-                out[name] = t
-        return out
+    def _verified(self) -> None:
+        self._served = self._candidate
 
     def weights(self) -> Weights:
-        got = self._untie(self._unfuse(self.llm.collective_rpc(_read_back)[0]))
+        got = self._rpc("read", sorted(self._known))
         host = self._host.to_tensors() if self._host is not None else {}
         for n, t in got.items():
             h = host.get(n)

@@ -1,0 +1,292 @@
+"""Aurora's weight-transfer backend for vLLM: committed versions into any vLLM, through vLLM's own interface.
+
+vLLM (``vllm.distributed.weight_transfer``) lets a backend subclass
+`WeightTransferEngine` and register with `WeightTransferEngineFactory`; each
+vLLM worker then makes one (``weight_transfer_config={"backend": "aurora"}``,
+or ``vllm serve --weight-transfer-config '{"backend": "aurora"}'``) and its
+engine client drives it: ``init_weight_transfer_engine`` once, then per version
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``. This
+module is that backend. `register` adds it to the factory; it is also a
+``vllm.general_plugins`` entry point of this package, so every vLLM process
+with Aurora installed (an engine core, a ``vllm serve``) knows the backend.
+
+The data path. A rollout node stages the tensors of a version that its engine
+must take — checkpoint names, checkpoint layout, bf16 — as one safetensors
+file in a staging directory on the same host (``/dev/shm`` where there is one),
+and sends ``{"path": …, "version": …}`` as the update info. The backend reads
+the file (memory-mapped) and hands the tensors to the model's own
+``load_weights`` inside vLLM's layerwise reload (`start_weight_update` /
+`finish_weight_update`), which maps names, fuses q/k/v and gate/up, slices
+for tensor parallelism and repacks each layer for its kernels. Nothing here
+writes into a layer.
+
+Invariants:
+
+* A file is read only inside the staging directory named at init, and only
+  a regular file; anything else is refused (`ValueError`, vLLM reports it to
+  the caller) before a tensor is loaded.
+* A staged file holds whole fused groups: if it has one part of a group that
+  the model packs into one parameter (``q_proj`` of ``qkv_proj``), it has every
+  part. The check runs before `load_weights`, so a refused file changes no
+  weight; a file that fails *while* loading leaves the model to be reloaded
+  whole (the caller's `VerifiedApply` does).
+* A model whose LM head is tied to its embedding has its head re-processed
+  after every update that changed the embedding (vLLM's reload has no
+  ``lm_head.weight`` to load, and a kernel may compute with a copy packed at load).
+
+Verification (`digests`, run in the worker by ``collective_rpc`` on
+``worker.weight_transfer_engine``): the digest of each staged tensor as the
+engine computes with it. A parameter that the CPU backend packed away, and
+the LM head, are read *through their kernel* (the product with the identity,
+exact: one product per output); the rest as stored. A matmul cannot tell
+-0.0 from +0.0, so where both the read and the staged value are zero the
+staged sign is kept. Only the bits of what was staged are read; the caller
+combines them with the digests of the tensors the update did not touch.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BACKEND = "aurora"
+TIED_HEAD, TIED_EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def register() -> None:
+    """Register the backend with vLLM's factory (idempotent; vLLM calls it as a general plugin)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # the factory raises on a second registration
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "AuroraWeightTransferEngine")
+
+
+def staged_names(touched: set[str], names: set[str]) -> set[str]:
+    """What to stage for an update that changed ``touched``: every tensor under the same parent module
+    as a touched one (the parts vLLM fuses into one parameter are always siblings there), so a staged
+    file never holds part of a fused group."""
+    parents = {n.rsplit(".", 2)[0] for n in touched}
+    return {n for n in names if n.rsplit(".", 2)[0] in parents}
+
+
+def _packing(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Part module name -> its fused group's parts in the model's order (``q_proj`` -> (q, k, v))."""
+    mapping: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
+    return {part: tuple(parts) for parts in mapping.values() for part in parts}
+
+
+def _fused_name(mapping: Mapping[str, list[str]], name: str) -> tuple[str, int | None]:
+    """The model's parameter a checkpoint tensor is loaded into, and its part index (None: unfused)."""
+    owner, leaf = name.rsplit(".", 1)
+    prefix, _, mod = owner.rpartition(".")
+    for fused, parts in mapping.items():
+        if mod in parts:
+            return f"{prefix}.{fused}.{leaf}" if prefix else f"{fused}.{leaf}", parts.index(mod)
+    return name, None
+
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError:  # without vLLM the backend is not needed (the staging helpers above still are)
+    pass
+else:
+
+    @dataclass
+    class AuroraInitInfo(WeightTransferInitInfo):
+        staging: str
+        """The directory staged files are read from (nothing outside it is)."""
+
+    @dataclass
+    class AuroraUpdateInfo(WeightTransferUpdateInfo):
+        path: str
+        """A safetensors file in the staging directory: the version's tensors the engine takes."""
+        version: int = -1
+
+    class AuroraWeightTransferEngine(WeightTransferEngine[AuroraInitInfo, AuroraUpdateInfo]):
+        """The backend (module docstring)."""
+
+        init_info_cls = AuroraInitInfo
+        update_info_cls = AuroraUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.staging: Path | None = None
+            self.version: int | None = None
+            """The version of the last update finished (None: none yet, or one failed)."""
+            self._pending: int | None = None
+            self._embed_changed = False
+
+        def init_transfer_engine(self, init_info: AuroraInitInfo) -> None:
+            d = Path(init_info.staging)
+            if not d.is_dir():
+                raise ValueError(f"aurora weight transfer: staging directory {d} does not exist")
+            self.staging = d.resolve()
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.version, self._pending, self._embed_changed = None, None, False
+            initialize_layerwise_reload(self.model)
+
+        def _file(self, path: str) -> Path:
+            if self.staging is None:
+                raise ValueError("aurora weight transfer: init_weight_transfer_engine was not called")
+            p = Path(path)
+            full = (self.staging / p).resolve() if not p.is_absolute() else p.resolve()
+            if full.parent != self.staging:
+                raise ValueError(f"aurora weight transfer: {path} is not a file in the staging directory")
+            st = os.stat(full)  # FileNotFoundError names it
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"aurora weight transfer: {path} is not a regular file")
+            return full
+
+        def _check_groups(self, names: set[str]) -> None:
+            packing = _packing(self.model)
+            for n in sorted(names):
+                owner, leaf = n.rsplit(".", 1)
+                prefix, _, mod = owner.rpartition(".")
+                for part in packing.get(mod, ()):
+                    sib = f"{prefix}.{part}.{leaf}" if prefix else f"{part}.{leaf}"
+                    if sib not in names:
+                        raise ValueError(f"aurora weight transfer: {n} is staged without {sib} (one fused group)")
+
+        def receive_weights(self, update_info: AuroraUpdateInfo) -> None:
+            from safetensors import safe_open
+
+            full = self._file(update_info.path)
+            with safe_open(str(full), framework="pt") as f:
+                names = set(f.keys())
+                self._check_groups(names)
+
+                def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+                    for n in sorted(names):
+                        yield n, f.get_tensor(n)
+
+                model: Any = self.model  # a vLLM model: it has load_weights
+                model.load_weights(tensors())
+            self._pending = update_info.version
+            self._embed_changed |= TIED_EMBED in names
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            if self._embed_changed and self._tied():
+                self._repack_head()
+            self.version = self._pending
+
+        def _tied(self) -> bool:
+            return bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+
+        def _repack_head(self) -> None:
+            head = getattr(self.model, "lm_head", None)
+            method = getattr(head, "quant_method", None)
+            if head is not None and method is not None:
+                with torch.no_grad():
+                    method.process_weights_after_loading(head)
+
+        def shutdown(self) -> None:
+            self.staging = None
+
+        # -- verification
+        def _effective(self, param_name: str) -> tuple[torch.Tensor, bool]:
+            """A model parameter as its kernel computes with it, and whether it was read through the
+            kernel (module docstring)."""
+            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+            owner, _, leaf = param_name.rpartition(".")
+            mod: Any = self.model.get_submodule(owner)
+            w = getattr(mod, leaf)
+            method = getattr(mod, "quant_method", None)
+            if leaf == "weight" and method is not None and (w.numel() == 0 or isinstance(mod, ParallelLMHead)):
+                k = int(w.shape[1]) if w.numel() else int(mod.input_size_per_partition)
+                eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)
+                with torch.no_grad():
+                    return method.apply(mod, eye).t().contiguous().cpu(), True
+            return w.detach().cpu(), False
+
+        def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+            """The named checkpoint tensors as the engine computes with them (`_read`)."""
+            return self._read(names)[0]
+
+        def _read(self, names: list[str]) -> tuple[dict[str, torch.Tensor], set[str]]:
+            """The named checkpoint tensors as the engine computes with them (fused ones split back;
+            with a tied LM head, the head read through its kernel must equal the embedding, and is
+            returned as ``lm_head.weight`` where it does not), and the names read through a kernel."""
+            mapping: Mapping[str, list[str]] = getattr(self.model, "packed_modules_mapping", {}) or {}
+            fused: dict[str, tuple[torch.Tensor, bool]] = {}
+            out: dict[str, torch.Tensor] = {}
+            kernel: set[str] = set()
+            for n in names:
+                pname, part = _fused_name(mapping, n)
+                if pname not in fused:
+                    fused[pname] = self._effective(pname)
+                t, through = fused[pname]
+                if through:
+                    kernel.add(n)
+                if part is not None:
+                    mod: Any = self.model.get_submodule(pname.rsplit(".", 1)[0])
+                    sizes = list(getattr(mod, "output_partition_sizes", None) or mod.output_sizes)
+                    t = torch.split(t, sizes)[part]
+                out[n] = t.contiguous()
+            if TIED_EMBED in out and self._tied():
+                head, _ = self._effective(TIED_HEAD)
+                if not torch.equal(head, out[TIED_EMBED]):  # the kernel computes with a stale copy
+                    out[TIED_HEAD] = head
+            return out, kernel
+
+        def names(self) -> list[str]:
+            """Every checkpoint name the model holds (fused parameters split back into their parts)."""
+            mapping: Mapping[str, list[str]] = getattr(self.model, "packed_modules_mapping", {}) or {}
+            out = []
+            for pname, _ in self.model.named_parameters():
+                owner, leaf = pname.rsplit(".", 1)
+                prefix, _, mod = owner.rpartition(".")
+                parts = mapping.get(mod)
+                if parts:
+                    out += [f"{prefix}.{p}.{leaf}" for p in parts]
+                elif not (pname == TIED_HEAD and self._tied()):
+                    out.append(pname)
+            return sorted(out)
+
+        def digests(self, path: str) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+            """(dtype, shape, digest) of each tensor staged in ``path``, as the engine computes with it;
+            an extra ``lm_head.weight`` entry when a tied head's kernel disagrees with its embedding."""
+            from safetensors import safe_open
+
+            from aurora.codec import Weights
+
+            full = self._file(path)
+            with safe_open(str(full), framework="pt") as f:
+                got, kernel = self._read(sorted(f.keys()))
+                for n in sorted(kernel):  # a tensor read as stored has its own signs
+                    staged, t = f.get_tensor(n), got[n]
+                    if staged.shape == t.shape:
+                        zeros = (t == 0) & (staged == 0)  # ±0: the same number through a matmul
+                        if bool(zeros.any()):
+                            t = torch.where(zeros, staged, t)
+                            got[n] = t
+            w = Weights.from_tensors(got)
+            return {n: (tb.dtype.name, tb.shape, tb.digest()) for n, tb in w.items()}
+
+
+def call_backend(worker: Any, method: str, *args: Any) -> Any:
+    """Runs in a vLLM worker (``collective_rpc(call_backend, args=(method, …))``): ``method`` of the
+    worker's Aurora backend (module-level, so an engine core in another process unpickles it by name)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None or type(engine).__name__ != "AuroraWeightTransferEngine":
+        raise RuntimeError("this vLLM was not started with the aurora weight-transfer backend")
+    if method not in ("digests", "read", "names"):
+        raise ValueError(f"aurora weight transfer: no method {method!r}")
+    return getattr(engine, method)(*args)
