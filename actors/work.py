@@ -392,6 +392,122 @@ class Worker(Actor):
         )
 
 
+class ContinuousWorker(Worker):
+    """A rollout worker on an engine that generates continuously (`AsyncVllmEngine`).
+
+    Each leased prompt is submitted to the engine as soon as it is granted, and its result goes up
+    as soon as its group is done; the worker asks for more whenever fewer than a lease's worth of
+    prompts are in flight. A switcher task moves the engine to each newly committed version while
+    generation goes on (the engine pauses, loads, resumes: requests in flight continue on the new
+    weights). A result's version is the oldest that made any of its tokens; a sample made by several
+    carries its spans. The engine holds back results until the loads that made them passed their
+    check, and drops (and generates again) those that did not."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.running: dict[int, asyncio.Task[None]] = {}
+        self._done = asyncio.Event()
+        """A prompt's result went up (or was dropped): room to ask for more."""
+
+    async def main(self) -> None:
+        for lease in self.holder.drop_all():
+            log.info(LEASE_GIVEN_UP, item=lease.item, token=lease.token.hex()[:8], reason="the worker restarted")
+        engine = cast(Any, self.engine)
+        try:
+            with unwrap_group():
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self._renew())
+                    tg.create_task(self._switcher())
+                    while True:
+                        await self._feed(tg, engine)
+        finally:
+            for t in self.running.values():
+                t.cancel()
+            self.running.clear()
+
+    async def _switcher(self) -> None:
+        """Bring the engine to the newest committed version whenever one commits (or the engine, after
+        a failed check, serves none); generation goes on meanwhile."""
+        engine = cast(Any, self.engine)
+        while True:
+            if self.flow.version is not None and self.flow.version != engine.version:
+                await self._switch()
+                continue
+            self.flow.committed.clear()
+            engine.unserved.clear()
+            await wait_first(self.flow.committed.wait(), engine.unserved.wait())
+
+    async def _switch(self) -> None:
+        engine = cast(Any, self.engine)
+        was = engine.version
+        t0 = time.perf_counter()
+        async with self.flow.weights_lock:  # the host copy does not change while the engine stages it
+            v, digest, w = self.flow.version, self.flow.digest, self.flow.weights
+            assert v is not None
+            assert digest is not None
+            assert w is not None
+            touched = self.flow.touched_since(was)
+            paused = engine.pause_s
+            await engine.apply(WeightUpdate(v, digest, w, touched))
+        self.stats.switches += 1
+        self.stats.switch_s += engine.pause_s - paused
+        log.info(
+            ENGINE_SWITCHED,
+            version=v,
+            from_version=was,
+            tensors="all" if touched is None else len(touched),
+            switch_ms=round((engine.pause_s - paused) * 1e3, 2),
+            apply_ms=round((time.perf_counter() - t0) * 1e3, 2),
+        )
+
+    async def _feed(self, tg: asyncio.TaskGroup, engine: Any) -> None:
+        """Submit what was granted; ask for more when fewer than a lease's worth are in flight."""
+        if engine.version is None:  # nothing to serve until the first version is in
+            await engine.serving.wait()
+            return
+        for item, prompt in list(self.prompts.items()):
+            if item not in self.running and item in self.holder.items:
+                self.running[item] = tg.create_task(self._one(prompt, engine))
+        want = max(1, min(256, self.leases.prompts_per_lease))
+        self._done.clear()
+        if len(self.running) >= want:
+            await self._done.wait()
+            return
+        self.granted.clear()
+        if await self.up(Want(w=self.name, n=want - len(self.running), v=engine.version), ()):
+            with contextlib.suppress(TimeoutError):
+                async with self.clock.timeout(self.want_retry_s):
+                    await wait_first(self.granted.wait(), self._done.wait())
+        else:
+            await self.attached()
+
+    async def _one(self, prompt: Prompt, engine: Any) -> None:
+        try:
+            t0 = time.perf_counter()
+            c: Completion = await engine.complete(prompt, self.group_size)
+            self.stats.completions += 1
+            self.stats.tokens += sum(len(s.tokens) for s in c.samples)
+            self.stats.generate_s += time.perf_counter() - t0
+            versions = sorted({v for s in c.samples for v in s.versions(c.version)})
+            log.info(
+                BATCH_GENERATED,
+                prompts=1,
+                version=c.version,
+                versions=versions,
+                generate_ms=round(1e3 * (time.perf_counter() - t0), 1),
+            )
+            lease = self.holder.take(c.prompt_id)
+            self.prompts.pop(c.prompt_id, None)
+            if lease is None:
+                return  # given up meanwhile: the coordinator has leased it to someone else
+            log.debug(RESULT_SENT, item=c.prompt_id, token=lease.token.hex()[:8])
+            samples = [SampleWire(s.tokens, [min(0.0, lp) for lp in s.logprobs], s.spans) for s in c.samples]
+            await self.up(Result(w=self.name, item=c.prompt_id, token=lease.token, v=c.version, samples=samples), ())
+        finally:
+            self.running.pop(prompt.id, None)
+            self._done.set()
+
+
 async def tell_or_drop(ref: Any, msg: Message) -> None:
     """Hand a work message to a local actor; while it restarts the message is dropped (leases expire)."""
     try:

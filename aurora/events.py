@@ -67,11 +67,16 @@ REWARD_FAILED = "reward_failed"
 """A reward function raised or returned something not in [0, 1]; the sample scored 0 (throttled):
 ``reward``, ``error``, ``errors`` (so far), ``suppressed``."""
 ENGINE_SWITCHED = "engine_switched"
-"""A rollout's engine moved to a version: ``version``, ``from_version``, ``switch_ms``."""
+"""A rollout's engine moved to a version: ``version``, ``from_version``, ``switch_ms`` (the time generation
+was stopped for it: the whole switch of a batch engine, the pause of a continuous one)."""
+ENGINE_CHECKED = "engine_checked"
+"""A continuous engine's check of a version it switched to, after generation resumed: ``version``, ``ok``,
+``check_ms`` (a failed one drops that version's results and reloads it whole)."""
 WORK_STARTED = "work_started"
-BATCH_GENERATED = "batch_generated"
-"""A rollout generated a batch of its leased prompts (``prompts``, ``version``, ``generate_ms``)."""
 """A rollout got its first leases since it started: ``leases``."""
+BATCH_GENERATED = "batch_generated"
+"""A rollout generated a batch of its leased prompts (``prompts``, ``version``, ``generate_ms``); a
+continuous one logs each prompt as it is done (``prompts`` 1, ``version`` its oldest, ``versions``)."""
 LEASES_GRANTED = "leases_granted"
 """A rollout was granted leases (debug): ``leases`` as ``[item, token]`` pairs."""
 RESULT_SENT = "result_sent"

@@ -37,7 +37,7 @@ from aurora.actors.node import (
     ReporterActor,
     UplinkActor,
 )
-from aurora.actors.work import Coordinator, Worker
+from aurora.actors.work import ContinuousWorker, Coordinator, Worker
 from aurora.auth.keys import exposed_nodes, load_member_keys, load_node_keys
 from aurora.auth.pool import Credential, Revocations, member_name, pool_verifiers
 from aurora.auth.seal import Sealer, state_hash, weights_layout
@@ -153,6 +153,8 @@ async def run_node(
         await open_store(node, store)
         if spec.role == "rollout" and topo.engine is not None:
             node.engine = await in_thread(make_engine, topo.engine)
+            if getattr(node.engine, "continuous", False):
+                await node.engine.start()  # vLLM's engine core: a process of its own, on this event loop
     try:
         zt: NodeTransport = transport or ZmqTransport(
             name,
@@ -211,6 +213,8 @@ async def run_node(
                     raise AuthError(f"{name}: {node.failure}")
     finally:
         node.tracker.close()  # the trainer's TensorBoard/W&B files flushed, however the node ends
+        if getattr(node.engine, "continuous", False):
+            node.engine.close()  # its engine core process ends with the node
 
 
 def as_member(topo: Topology, tree: Tree, credential: Credential) -> tuple[Topology, Tree, str]:
@@ -278,7 +282,9 @@ def _actor_specs(node: Node, zt: NodeTransport, tree: Tree, lost_after_s: float)
         specs.append(
             ChildSpec(
                 "worker",
-                actor=lambda: Worker(name, engine, node.flow, node.up, topo.leases, holder, stats, node.wait_attached),
+                actor=lambda: (ContinuousWorker if getattr(engine, "continuous", False) else Worker)(
+                    name, engine, node.flow, node.up, topo.leases, holder, stats, node.wait_attached
+                ),
             )
         )
     return specs

@@ -219,7 +219,7 @@ def test_vllm_an_update_that_fails_in_the_backend_is_retried_with_every_tensor(
 ) -> None:
     """The backend refuses a staged file with part of a fused group (before loading anything); the
     engine then stages every tensor, and serves the version bit for bit."""
-    import aurora.rl.engines.vllm_backend as vb
+    import aurora.vllm_backend as vb
 
     engine = engines("vllm", seed=11)
     host = versions[0].copy()

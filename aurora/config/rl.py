@@ -205,6 +205,13 @@ class EngineSpec:
     """synthetic only: seconds per generated token position of a batch (a stand-in for compute)."""
     kv_cache_mb: int = 64
     """vllm only: KV cache size (the CPU build's default memory check does not fit small machines)."""
+    continuous: bool = True
+    """vllm only: a rollout generates continuously on vLLM's async engine (each leased prompt a request
+    of its own, a version switch pauses it without draining: `AsyncVllmEngine`); False: in batches on
+    the in-process engine (`VllmEngine`, switching between batches)."""
+    kv_on_switch: Literal["keep", "recompute"] = "keep"
+    """continuous vllm only: at a version switch, a request in flight keeps the KV its earlier tokens
+    computed under the old version (``keep``), or has it computed again under the new one (``recompute``)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -215,6 +222,8 @@ class EngineSpec:
             raise ConfigError("must be >= 1", path="kv_cache_mb")
         if self.token_s < 0:
             raise ConfigError("must be >= 0", path="token_s")
+        if self.kv_on_switch not in ("keep", "recompute"):
+            raise ConfigError(f"must be keep or recompute, not {self.kv_on_switch!r}", path="kv_on_switch")
 
     @property
     def the_model(self) -> ModelSpec:

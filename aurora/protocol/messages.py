@@ -46,6 +46,8 @@ MAX_REASON_CHARS = 512
 MAX_LEASES = 256
 """Leases per grant or renewal (`LeaseSpec.prompts_per_lease` is bounded by it)."""
 MAX_GROUP = 256
+MAX_SPANS = 64
+"""Version switches within one sample (more: the sample is far too stale to count anyway)."""
 """Samples per prompt (GRPO's group size)."""
 MAX_PROMPT_TOKENS = 16_384
 MAX_NEW_TOKENS = 16_384
@@ -317,24 +319,41 @@ class Renewed(_Msg, tag="renewed"):
 
 
 class SampleWire(Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
-    """One sample: the generated token ids and each one's behaviour log-probability."""
+    """One sample: the generated token ids, each one's behaviour log-probability, and (when a version
+    switch landed while it was generated) which versions made which tokens: ``spans`` of ``(version,
+    first token index)``, the first at index 0, both strictly increasing, each index inside the sample."""
 
     tokens: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_NEW_TOKENS)]
     logprobs: Annotated[list[LogProb], Meta(min_length=1, max_length=MAX_NEW_TOKENS)]
+    spans: Annotated[list[tuple[Version, Count]], Meta(max_length=MAX_SPANS)] = []
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.logprobs):
             raise ValueError("a sample's tokens and log-probabilities differ in length")
+        if self.spans:
+            if self.spans[0][1] != 0:
+                raise ValueError("a sample's first version span must start at token 0")
+            for (v0, i0), (v1, i1) in zip(self.spans, self.spans[1:], strict=False):
+                if not (v1 > v0 and i1 > i0):
+                    raise ValueError("a sample's version spans must increase in version and token index")
+            if self.spans[-1][1] >= len(self.tokens):
+                raise ValueError("a sample's version span starts past its last token")
 
 
 class Result(_Msg, tag="result"):
-    """Worker ``w``'s group of samples for leased prompt ``item``, made with version ``v``."""
+    """Worker ``w``'s group of samples for leased prompt ``item``; ``v`` is the oldest version that made
+    any of their tokens (a sample with spans starts at ``v`` or later; one without was made by ``v``)."""
 
     w: Name
     item: Count
     token: Token
     v: Version
     samples: Annotated[list[SampleWire], Meta(min_length=1, max_length=MAX_GROUP)]
+
+    def __post_init__(self) -> None:
+        firsts = [s.spans[0][0] if s.spans else self.v for s in self.samples]
+        if min(firsts) != self.v:
+            raise ValueError("a result's version must be the oldest of its samples' versions")
 
 
 class Verdict(_Msg, tag="verdict"):

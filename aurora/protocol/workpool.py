@@ -119,10 +119,11 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class SampleIn:
-    """A sample as a worker returned it (token ids and behaviour log-probabilities)."""
+    """A sample as a worker returned it (token ids, behaviour log-probabilities, version spans)."""
 
     tokens: Sequence[int]
     logprobs: Sequence[float]
+    spans: Sequence[tuple[int, int]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +284,7 @@ class WorkPool:
                 for x in self.renew(msg.w, msg.tokens, now)
             ]
             return Answer(Renewed(w=msg.w, leases=renewed) if renewed else None)
-        samples = [SampleIn(s.tokens, s.logprobs) for s in msg.samples]
+        samples = [SampleIn(s.tokens, s.logprobs, s.spans) for s in msg.samples]
         outcome = self.result(msg.w, msg.item, msg.token, msg.v, current, samples, now)
         if isinstance(outcome, Accepted):
             return Answer(Verdict(w=msg.w, item=msg.item, ok=True), outcome)
@@ -401,7 +402,12 @@ class WorkPool:
             self.rejected[bad.kind] += 1
             return bad
         prompt = self.open.pop(item)
-        c = Completion(item, list(prompt.tokens), [Sample(list(s.tokens), list(s.logprobs)) for s in samples], version)
+        c = Completion(
+            item,
+            list(prompt.tokens),
+            [Sample(list(s.tokens), list(s.logprobs), [(int(v), int(i)) for v, i in s.spans]) for s in samples],
+            version,
+        )
         self.log.append((item, worker, version, current))
         self.samples.append((prompt, c))
         self.accepted += 1

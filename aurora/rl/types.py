@@ -13,7 +13,7 @@ Every layer may import this module: it imports nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +31,20 @@ class Sample:
     tokens: list[int]
     logprobs: list[float]
     """Per token: its log-probability under the behaviour (serving) weights at the sampling temperature."""
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """Which versions made the tokens: ``(version, first token index)`` in order, the first at index 0
+    (a version switch landed while this sample was generated); empty: its completion's version made
+    every token."""
+
+    def versions(self, default: int) -> list[int]:
+        """The versions that made this sample's tokens, oldest first (``default``: the completion's)."""
+        return [v for v, _ in self.spans] or [default]
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A prompt's group of samples, all made with weight ``version``."""
+    """A prompt's group of samples; ``version`` is the oldest weight version that made any of their
+    tokens (the one the staleness rule judges); a sample's `Sample.spans` tell the rest."""
 
     prompt_id: int
     prompt_tokens: list[int]

@@ -167,12 +167,19 @@ def _accepted(p: Prompt, c: Completion) -> dict[str, Any]:
         "answer": p.answer,
         "tokens": list(p.tokens),
         "version": c.version,
-        "samples": [[s.tokens, s.logprobs] for s in c.samples],
+        "samples": [[s.tokens, s.logprobs, *([[list(x) for x in s.spans]] if s.spans else [])] for s in c.samples],
     }
 
 
 def _result(r: dict[str, Any]) -> tuple[Prompt, Completion]:
     tokens = [int(t) for t in r["tokens"]]
     p = Prompt(int(r["id"]), str(r["text"]), str(r["answer"]), tuple(tokens))
-    samples = [Sample([int(t) for t in s[0]], [float(x) for x in s[1]]) for s in r["samples"]]
+    samples = [
+        Sample(
+            [int(t) for t in s[0]],
+            [float(x) for x in s[1]],
+            [(int(v), int(i)) for v, i in s[2]] if len(s) > 2 else [],
+        )
+        for s in r["samples"]
+    ]
     return p, Completion(p.id, tokens, samples, int(r["version"]))

