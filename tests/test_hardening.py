@@ -319,6 +319,10 @@ def test_a_learner_step_with_non_finite_loss_changes_nothing_and_is_counted() ->
 MESSAGES = [m for m in wire.AppMessage.__args__]  # type: ignore[attr-defined]
 
 
+POST_INIT_RULES = ("differ in length", "version span", "oldest of its samples")
+"""What the messages' ``__post_init__`` checks say (a sample's lengths, its version spans, a result's version)."""
+
+
 @given(st.sampled_from(MESSAGES), st.data())
 def test_every_valid_message_round_trips(kind: type, data: st.DataObject) -> None:
     import msgspec.inspect as mi
@@ -331,7 +335,7 @@ def test_every_valid_message_round_trips(kind: type, data: st.DataObject) -> Non
     try:
         msg = wire.decode_app(raw, [b""] * len(wire.BUFFER_LIMITS.get(kind, ())))
     except wire.BadMessage as e:  # a __post_init__ rule the schema cannot say (e.g. equal lengths)
-        assert "differ in length" in e.reason  # noqa: PT017
+        assert any(rule in e.reason for rule in POST_INIT_RULES), e.reason  # noqa: PT017
         return
     assert isinstance(msg, kind)
     assert wire.decode_app(wire.encode_app(msg), [b""] * len(wire.BUFFER_LIMITS.get(kind, ()))) == msg

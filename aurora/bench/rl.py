@@ -17,7 +17,9 @@ than half the work per step and the ratio measured the learner, not the sync):
 Measured from the logs (one host clock): tokens/s = tokens of the results the
 learner trained on, from the end of step ``warmup`` to the last step, over that
 time; *paused* = for each rollout, the time its engine spent switching versions
-(``engine_switched``) within that window, over the window, averaged over rollouts. An
+(``engine_switched``: a batch engine's whole switch, a continuous engine's pause) within that window,
+over the window, averaged over rollouts; the median switch, and a continuous engine's check per version
+(``engine_checked``, after generation resumed). An
 engine's first load (``from_version`` null: a rollout that attached late, or restarted) is
 start-up, not a switch, and is not counted.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +45,7 @@ import yaml
 from aurora.config.rl import ModelSpec
 from aurora.config.topology import load_topology
 from aurora.errors import ConfigError
-from aurora.events import BATCH_GENERATED, ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
+from aurora.events import BATCH_GENERATED, ENGINE_CHECKED, ENGINE_SWITCHED, STEP, VERSION_COMMITTED, VERSION_PUBLISHED
 from aurora.logs import event_time, read_events
 from aurora.metrics import collect
 from aurora.run import run
@@ -96,6 +99,8 @@ def measure(
     tokens = sum(int(e["tokens"]) for e in steps[warmup + 1 :])
     paused = []
     leased = {}
+    switch_ms: list[float] = []
+    check_ms: list[float] = []
     for r in rollouts:
         log = read_events(state / f"{r}.log")
         sw = [
@@ -104,6 +109,10 @@ def measure(
             if e.get("event") == ENGINE_SWITCHED and e.get("from_version") is not None and t0 <= event_time(e) <= t1
         ]
         paused.append(sum(float(e["switch_ms"]) for e in sw) / 1e3 / (t1 - t0))
+        switch_ms += [float(e["switch_ms"]) for e in sw]
+        check_ms += [
+            float(e["check_ms"]) for e in log if e.get("event") == ENGINE_CHECKED and t0 <= event_time(e) <= t1
+        ]
         leased[r] = sum(
             int(e["prompts"]) for e in log if e.get("event") == BATCH_GENERATED and t0 <= event_time(e) <= t1
         )
@@ -121,6 +130,8 @@ def measure(
         "steps_s": (len(steps) - 1 - warmup) / (t1 - t0),
         "window_s": t1 - t0,
         "paused": sum(paused) / len(paused),
+        "switch_ms_median": statistics.median(switch_ms) if switch_ms else None,
+        "check_ms": statistics.mean(check_ms) if check_ms else None,
         "sync_ms": (mean("sync_s") or 0.0) * 1e3,
         "delta_kb": (mean("bytes") or 0.0) / 1e3,
         "density": mean("density"),
@@ -207,11 +218,18 @@ def render(r: dict[str, Any]) -> str:
         f"sync / ideal tokens/s: {r['ratio']:.3f} (target >= 0.95); generation paused for switches: "
         f"{100 * r['sync']['paused']:.2f} % of wall time (target <= 2 %)"
     )
+    s = r["sync"]
+    if s.get("switch_ms_median") is not None:
+        check = (
+            f"; its check (after resuming: read back in the engine and hashed) {s['check_ms']:.1f} ms per version"
+            if s.get("check_ms") is not None
+            else " (a batch engine: its check is inside the switch)"
+        )
+        lines.append(f"switch: median {s['switch_ms_median']:.1f} ms of stopped generation (target <= 100 ms){check}")
     for mode in ("sync", "ideal"):
         if r[mode].get("shares"):
             parts = ", ".join(f"{w} {v:.2f}" for w, v in r[mode]["shares"].items())
             lines.append(f"work shares ({mode}, prompts generated in the window): {parts}")
-    s = r["sync"]
     if s.get("seal_ms") is not None and s.get("publish_ms"):
         lines.append(
             f"trust: sealing a version (state hash waited for + Ed25519) {s['seal_ms']:.2f} ms = "

@@ -101,6 +101,8 @@ def valid_value(t: Any) -> st.SearchStrategy[Any]:
         return _sized(t, lambda lo, hi: st.binary(min_size=lo, max_size=hi))
     if isinstance(t, mi.ListType):
         return _sized(t, lambda lo, hi: st.lists(valid_value(t.item_type), min_size=lo, max_size=hi))
+    if isinstance(t, mi.TupleType):
+        return st.tuples(*[valid_value(x) for x in t.item_types])
     if isinstance(t, mi.DictType):
         return _sized(
             t,

@@ -156,11 +156,33 @@ class AsyncVllmEngine:
                 worker_extension_cls=vllm_backend.EXTENSION,
             )
             self.llm = AsyncLLM.from_engine_args(args)
+        await self._warm_up()
         names = (await self.llm.collective_rpc("aurora_names"))[0]
         self.stager = Stager(set(names))
         await self.llm.collective_rpc(
             "init_weight_transfer_engine", kwargs={"init_info": {"staging": str(self.stager.dir)}}
         )
+
+    async def _warm_up(self) -> None:
+        """One short request on the directory's weights before any version: an engine's first step
+        creates its kernels' primitives (seconds on a busy CPU), which would otherwise hold up the
+        first leased prompt and the first switch's pause."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(  # as a rollout's requests are (seeded, several samples, log-probabilities)
+            n=2,
+            temperature=1.0,
+            max_tokens=2,
+            logprobs=0,
+            seed=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        t0 = time.perf_counter()
+        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=[0, 1]), params, request_id="aurora-warm-up"):
+            pass
+        log.info("engine_warmed_up", warm_up_ms=round((time.perf_counter() - t0) * 1e3, 1))
 
     def close(self) -> None:
         if self.llm is not None:
