@@ -368,7 +368,7 @@ class Worker(Actor):
             await self.up(Result(w=self.name, item=c.prompt_id, token=lease.token, v=version, samples=samples), ())
 
     async def _switch(self) -> None:
-        """At a batch boundary: bring the engine to the newest committed version."""
+        """Bring the engine to the newest committed version (a batch engine: at a batch boundary)."""
         if self.flow.version == self.engine.version:
             return
         was = self.engine.version  # None: the first load of this engine, not a version switch
@@ -378,18 +378,25 @@ class Worker(Actor):
             assert v is not None
             assert digest is not None
             assert w is not None
-            upd = WeightUpdate(v, digest, w, self.flow.touched_since(self.engine.version))
-            await in_thread(self.engine.apply, upd)
-        dt = time.perf_counter() - t0
+            upd = WeightUpdate(v, digest, w, self.flow.touched_since(was))
+            stopped = await self._apply(upd)
+        applied = time.perf_counter() - t0
+        stopped = applied if stopped is None else stopped
         self.stats.switches += 1
-        self.stats.switch_s += dt
+        self.stats.switch_s += stopped
         log.info(
             ENGINE_SWITCHED,
             version=v,
             from_version=was,
             tensors="all" if upd.touched is None else len(upd.touched),
-            switch_ms=round(dt * 1e3, 2),
+            switch_ms=round(stopped * 1e3, 2),
+            apply_ms=round(applied * 1e3, 2),
         )
+
+    async def _apply(self, update: WeightUpdate) -> float | None:
+        """Apply ``update``; the seconds generation was stopped for it, None: all of it (a batch engine)."""
+        await in_thread(self.engine.apply, update)
+        return None
 
 
 class ContinuousWorker(Worker):
@@ -437,28 +444,11 @@ class ContinuousWorker(Worker):
             engine.unserved.clear()
             await wait_first(self.flow.committed.wait(), engine.unserved.wait())
 
-    async def _switch(self) -> None:
+    async def _apply(self, update: WeightUpdate) -> float | None:
         engine = cast(Any, self.engine)
-        was = engine.version
-        t0 = time.perf_counter()
-        async with self.flow.weights_lock:  # the host copy does not change while the engine stages it
-            v, digest, w = self.flow.version, self.flow.digest, self.flow.weights
-            assert v is not None
-            assert digest is not None
-            assert w is not None
-            touched = self.flow.touched_since(was)
-            paused = engine.pause_s
-            await engine.apply(WeightUpdate(v, digest, w, touched))
-        self.stats.switches += 1
-        self.stats.switch_s += engine.pause_s - paused
-        log.info(
-            ENGINE_SWITCHED,
-            version=v,
-            from_version=was,
-            tensors="all" if touched is None else len(touched),
-            switch_ms=round((engine.pause_s - paused) * 1e3, 2),
-            apply_ms=round((time.perf_counter() - t0) * 1e3, 2),
-        )
+        paused = engine.pause_s
+        await engine.apply(update)  # pause (keep), load, resume: the check runs after
+        return float(engine.pause_s - paused)
 
     async def _feed(self, tg: asyncio.TaskGroup, engine: Any) -> None:
         """Submit what was granted; ask for more when fewer than a lease's worth are in flight."""

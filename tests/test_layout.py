@@ -11,7 +11,9 @@ The kernel (0-5) never imports ``aurora.actors`` or ``aurora.transport``:
    event names, and the RL data contract the work protocol carries (``Prompt``, ``Completion``:
    dataclasses, no torch), which is why ``aurora.protocol`` may import it and nothing else of
    ``aurora.rl``;
-1. ``aurora.codec`` — bytes in, bytes out: no I/O (below);
+1. ``aurora.codec`` — bytes in, bytes out: no I/O (below); beside it ``aurora.vllm_backend``, vLLM's side
+   of the weight transfer, which imports nothing of Aurora (vLLM loads it as a plugin in processes
+   of its own);
 2. ``aurora.protocol`` — the rules as values: no I/O either;
 3. ``aurora.config``, ``aurora.runtime``, ``aurora.store``, ``aurora.logs`` — the topology, the actor
    runtime, the version store and the one logging setup, side by side (none needs another);
@@ -66,6 +68,7 @@ LAYER = {
     "aurora.events": 0,
     "aurora.rl.types": 0,
     "aurora.codec": 1,
+    "aurora.vllm_backend": 1,
     "aurora.protocol": 2,
     "aurora.config": 3,
     "aurora.runtime": 3,

@@ -33,12 +33,15 @@ Verification, off the switch's critical path: after generation resumes, the
 backend reads back what was staged (in the engine core, between steps) and
 the engine compares the digest with the version's. A completion is returned
 only when every load that made its tokens has passed its check; one made
-(in part) by a load that failed is dropped and generated again (logged), and
-the engine reloads every tensor under a new load tag and checks again; a
-second failure leaves the engine broken (`complete` raises
-`DeltaFormatError`). So no result made with weights that are not bit for bit
-the version's ever leaves the worker. Checks run in load order: a switch waits
-for the previous load's check (the record of verified tensors it builds on).
+(in part) by a load that failed is dropped (logged) and generated again. A
+failed check leaves the engine serving nothing (`unserved` is set) until the
+worker loads the version again, every tensor; a version that fails twice
+running makes `complete` raise `DeltaFormatError` (the worker crashes, and its
+restart loads again). A load that fails in vLLM is retried whole while still
+paused; one that fails whole leaves generation paused — a half-loaded model
+never generates. So no result made with weights that are not bit for bit the
+version's ever leaves the worker. Checks run in load order: a switch waits for
+the previous load's check (the record of verified tensors it builds on).
 """
 
 from __future__ import annotations
@@ -202,34 +205,46 @@ class AsyncVllmEngine:
             self._last_check = asyncio.create_task(self._check(update, staged))
 
     async def _load(self, update: WeightUpdate, touched: Any) -> Staged:
+        """Pause (keep), load, resume. A partial load that fails is followed, still paused, by a load of
+        every tensor; a full load that fails raises and leaves generation paused (a half-loaded model
+        never generates; the next `apply` resumes it)."""
+        t0 = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            staged = await self._session(update, touched)
+        except Exception as e:
+            if touched is None:
+                raise  # still paused: nothing generates on a half-loaded model (a restarted worker reloads)
+            log.warning("vllm_update_failed", version=update.version, error=repr(e), retry="every tensor")
+            staged = await self._session(update, None)
+        await self.llm.resume_generation()
+        self.pause_s += time.perf_counter() - t0
+        assert self.stager is not None
+        self.stager.partial_updates += staged.partial
+        self.serving.set()
+        return staged
+
+    async def _session(self, update: WeightUpdate, touched: Any) -> Staged:
+        """One vLLM weight-update session, tagged ``"V:L"`` (the staged file is removed if it fails)."""
         assert self.stager is not None
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         staged = await asyncio.to_thread(self.stager.stage, update.weights, touched)
         tag = _tag(update.version, staged.serial)
         self._checks[staged.serial] = asyncio.get_running_loop().create_future()
-        t0 = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await self.llm.start_weight_update()
             await self.llm.update_weights(WeightTransferUpdateRequest(update_info=self.stager.update_info(staged)))
             await self.llm.finish_weight_update(weight_version=tag)
             if self.spec.kv_on_switch == "recompute":
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
-        except Exception as e:
+        except Exception:
             staged.path.unlink(missing_ok=True)
             self._checks.pop(staged.serial).set_result(False)
-            if not staged.partial:
-                raise
-            log.warning("vllm_update_failed", version=update.version, error=repr(e), retry="every tensor")
-            await self.llm.resume_generation()
-            return await self._load(update, None)
-        finally:
-            await self.llm.resume_generation()
-            self.pause_s += time.perf_counter() - t0
-        self.stager.partial_updates += staged.partial
+            self.version = None
+            self.serving.clear()
+            raise
         self.version, self._tag = update.version, tag
-        self.serving.set()
         return staged
 
     async def _check(self, update: WeightUpdate, staged: Staged) -> None:
