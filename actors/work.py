@@ -391,6 +391,7 @@ class Worker(Actor):
             tensors="all" if upd.touched is None else len(upd.touched),
             switch_ms=round(stopped * 1e3, 2),
             apply_ms=round(applied * 1e3, 2),
+            **getattr(self.engine, "last_switch", {}),
         )
 
     async def _apply(self, update: WeightUpdate) -> float | None:

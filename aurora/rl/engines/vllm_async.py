@@ -123,6 +123,9 @@ class AsyncVllmEngine:
         """Seconds spent on checks (reading back, in the engine core, and comparing)."""
         self.pause_s = 0.0
         """Seconds generation was paused by switches."""
+        self.last_switch: dict[str, float] = {}
+        """The last switch's parts (ms): the staging write (before the pause), waiting for the pause
+        (the step in flight ends), the load through vLLM and the resume."""
         self.full_reloads = 0
         self._failed: int | None = None
         """The version whose last load failed its check (a second failure of it is fatal)."""
@@ -205,31 +208,41 @@ class AsyncVllmEngine:
             self._last_check = asyncio.create_task(self._check(update, staged))
 
     async def _load(self, update: WeightUpdate, touched: Any) -> Staged:
-        """Pause (keep), load, resume. A partial load that fails is followed, still paused, by a load of
-        every tensor; a full load that fails raises and leaves generation paused (a half-loaded model
-        never generates; the next `apply` resumes it)."""
-        t0 = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
-        try:
-            staged = await self._session(update, touched)
-        except Exception as e:
-            if touched is None:
-                raise  # still paused: nothing generates on a half-loaded model (a restarted worker reloads)
-            log.warning("vllm_update_failed", version=update.version, error=repr(e), retry="every tensor")
-            staged = await self._session(update, None)
-        await self.llm.resume_generation()
-        self.pause_s += time.perf_counter() - t0
+        """Stage, then pause (keep), load, resume: the staging write is outside the pause. A partial load
+        that fails is followed, still paused, by a load of every tensor; a full load that fails raises
+        and leaves generation paused (a half-loaded model never generates; the next `apply` resumes it)."""
         assert self.stager is not None
+        t0 = time.perf_counter()
+        staged = await asyncio.to_thread(self.stager.stage, update.weights, touched)
+        t1 = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        t2 = time.perf_counter()
+        try:
+            await self._session(update, staged)
+        except Exception as e:
+            if staged.partial is False:
+                raise
+            log.warning("vllm_update_failed", version=update.version, error=repr(e), retry="every tensor")
+            staged = await asyncio.to_thread(self.stager.stage, update.weights, None)
+            await self._session(update, staged)
+        await self.llm.resume_generation()
+        t3 = time.perf_counter()
+        self.pause_s += t3 - t1
+        self.last_switch = {
+            "stage_ms": round((t1 - t0) * 1e3, 2),
+            "pause_wait_ms": round((t2 - t1) * 1e3, 2),
+            "load_ms": round((t3 - t2) * 1e3, 2),
+        }
         self.stager.partial_updates += staged.partial
         self.serving.set()
         return staged
 
-    async def _session(self, update: WeightUpdate, touched: Any) -> Staged:
-        """One vLLM weight-update session, tagged ``"V:L"`` (the staged file is removed if it fails)."""
+    async def _session(self, update: WeightUpdate, staged: Staged) -> None:
+        """One vLLM weight-update session of a staged file, tagged ``"V:L"`` (the file is removed if it
+        fails)."""
         assert self.stager is not None
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        staged = await asyncio.to_thread(self.stager.stage, update.weights, touched)
         tag = _tag(update.version, staged.serial)
         self._checks[staged.serial] = asyncio.get_running_loop().create_future()
         try:
@@ -245,7 +258,6 @@ class AsyncVllmEngine:
             self.serving.clear()
             raise
         self.version, self._tag = update.version, tag
-        return staged
 
     async def _check(self, update: WeightUpdate, staged: Staged) -> None:
         """Verify a load. A failed one is dropped with its results and the engine serves nothing
