@@ -13,7 +13,9 @@ on which kernels the CPU's instruction set selects.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -94,7 +96,10 @@ def engines(model: ModelSpec) -> Iterator[Callable[..., Engine]]:
         return TorchEngine(spec) if kind == "torch" else SyntheticEngine(spec)
 
     yield make
-    made.clear()
+    with warnings.catch_warnings():  # vLLM's clients may leave a ZeroMQ context to the collector
+        warnings.simplefilter("ignore", ResourceWarning)
+        made.clear()
+        gc.collect()
 
 
 KINDS = ["torch", "synthetic", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
