@@ -82,7 +82,7 @@ def test_a_worker_that_leaves_gives_its_prompts_back_at_once() -> None:
     (lease, prompt) = held[0]
     late = pool.result("m", prompt.id, lease.token, 0, 0, _ok(), 2.0)
     assert isinstance(late, Rejected)
-    assert "m" not in pool.served
+    assert "m" not in pool.credit
     assert pool.leave("nobody", 3.0) == []
 
 
@@ -403,9 +403,9 @@ def test_work_is_divided_among_the_workers_waiting_for_it_not_raced_for() -> Non
     """Two workers between batches (each has just returned a result): the first to ask gets half of
     what may be leased, and the other the rest, instead of the first taking it all."""
     pool = _pool(prompts_per_lease=4, ahead_steps=1, batch=4, group_size=1)
-    for w in ("a", "b"):  # measured, so that quota does not cap the grants (an unmeasured worker gets 1)
-        for t in (0.0, 0.5):
-            ((lease, p),) = pool.want(w, 1, t, version=0, current=0)
+    for t in (0.0, 0.5):  # measured, so that quota does not cap the grants (an unmeasured worker gets 1)
+        held = {w: pool.want(w, 1, t, version=0, current=0) for w in ("a", "b")}
+        for w, ((lease, p),) in held.items():
             assert isinstance(pool.result(w, p.id, lease.token, 0, 0, _ok(1), t + 0.25), Accepted)
     assert pool.take(4, 0) is not None
     first = pool.want("a", 4, 1.0, version=1, current=1)

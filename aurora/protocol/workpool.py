@@ -34,13 +34,18 @@ Rules and invariants (tests/test_workpool.py holds it to them):
   either reason is parked and answered by `unpark` when room opens; a parked want older
   than half a lease TTL (at least 2 s) is from a worker that stopped asking, and lapses
   (its age counts from when the worker asked, however often `unpark` retried it);
-* work is divided, not raced for: a grant is at most an equal part of the prompts that may be
-  leased now (the room and the version's takes, above) among the workers waiting for work — this
-  one, those parked with a version whose results would be used, and those not parked that hold
-  nothing and asked or answered within `ABOUT_TO_ASK_S` (between batches, or switching versions) — the
-  remainder to the least served. Equal workers that ask together get equal parts, and one that
-  finishes sooner asks again sooner and gets more (`aurora bench leases` measures how far the
-  shares follow speed; not everywhere within 10 %);
+* work is divided by speed, not raced for: each worker's speed is timed lease by lease
+  (`aurora.protocol.speed.SpeedMeter`: prompts per second with a full lease), and a grant is this
+  worker's part of the prompts that may be leased now (the room and the version's takes, above)
+  among the workers waiting for work — this one, those parked with a version whose results would be
+  used, those not parked that hold nothing and asked or answered within `ABOUT_TO_ASK_S` (between
+  batches, or switching versions), and, where this worker's time grows with its prompts, those its
+  speed says will be done before it would be with a full lease — given prompt by prompt to the one
+  whose credit (work granted, in seconds at its speed) would end soonest. A worker whose credit
+  leads the least served's at work by over half a lease holds at most its speed's share of the
+  ``ahead_steps`` bound. So each one's share of the work follows its speed whether generation or the
+  learner sets the pace (`aurora bench leases`: within 10 % of the speeds' shares in every case it
+  runs);
 * `next_deadline()` is when `expire` or `unpark` next changes something by itself (a lease
   expires, a parked want lapses, a worker leaves the waiting window while a want is parked): a
   driver that sleeps until then never spins;
@@ -68,6 +73,7 @@ from aurora.protocol.messages import (
     Verdict,
     Want,
 )
+from aurora.protocol.speed import SpeedMeter
 from aurora.rl.types import Completion, Prompt, Sample
 
 ABOUT_TO_ASK_S = 5.0
@@ -188,14 +194,20 @@ class WorkPool:
     switching_until: float | None = None
     """Until when, after that version came, a worker parked with an older one counts as switching to
     it (`_waiting`); None once over."""
-    served: Counter[str] = field(default_factory=Counter)
-    """Prompts granted to each worker (`_split` gives a remainder to the least served)."""
+    granted_at: dict[str, float] = field(default_factory=dict)
+    """When each worker was last granted prompts (`_finishing`: when it will ask again)."""
+    speeds: SpeedMeter = field(init=False)
+    """Each worker's generation speed, timed lease by lease (`_split` divides work by it)."""
+    credit: dict[str, float] = field(default_factory=dict)
+    """Per worker, the work it was granted in seconds at its speed (`_split` gives the next prompt to
+    the worker whose credit would end soonest with it: shares follow speed)."""
 
     def __post_init__(self) -> None:
         s = self.settings
         self.table = LeaseTable(
             ttl_s=s.ttl_s, max_batch=s.prompts_per_lease, batch_s=s.batch_s, mint=self.mint, max_life_s=s.max_life_s
         )
+        self.speeds = SpeedMeter(full=max(1, s.prompts_per_lease))
 
     @property
     def max_stale(self) -> int:
@@ -252,6 +264,8 @@ class WorkPool:
         wanted = self._wanted(version, current)
         free = room if wanted is None else (wanted if room is None else min(room, wanted))
         n = asked if free is None else min(asked, self._split(worker, free, now, current))
+        if room is not None and self._ahead(worker):  # it got more than its speed's share: hold it to that
+            n = min(n, self._fair_hold(worker) - self.table.holds(worker))
         self.asked[worker] = max(asked_at, self.asked.get(worker, asked_at))
         self.parked.pop(worker, None)
         if n == 0:
@@ -262,8 +276,11 @@ class WorkPool:
             p = next(self.prompts)
             self.open[p.id] = p
             self.table.add_items([p.id])
+        idle = not self.table.holds(worker)
         granted = self.table.grant(worker, now, n)
-        self.served[worker] += len(granted)
+        self.granted_at[worker] = now
+        self.speeds.granted(worker, [lease.item for lease in granted], now, idle)
+        self.credit[worker] = self.credit.get(worker, 0.0) + len(granted) / self._speed(worker)
         if self.batch:  # only `_useful` reads it (and prunes it as it does)
             for lease in granted:
                 self.made_with[cast(int, lease.item)] = version
@@ -317,19 +334,83 @@ class WorkPool:
         return out
 
     def _split(self, worker: str, free: int, now: float, current: int) -> int:
-        """``worker``'s part of ``free`` useful prompts: an equal part among it and the other workers
-        waiting for work, so that the first to ask does not take what the others wait for; a worker
-        that finishes sooner asks again sooner and so gets more. Waiting: parked with a version
+        """``worker``'s part of ``free`` useful prompts among it and the other workers waiting for work,
+        in proportion to their speeds (`SpeedMeter`), so that the first to ask does not take what the
+        others wait for. Prompt by prompt, each goes to the worker whose credit (its work granted, in
+        seconds at its speed) would end soonest with it — a worker with no credit yet starts a prompt behind
+        the least, and one far behind catches up at most a lease's worth — so that over many grants each
+        one's share follows its speed; ``worker`` first among equals. Waiting: parked with a version
         whose results would be used (or any, for `ABOUT_TO_ASK_S` after the trainer's version
         changed: it is switching to the new one; one that lags longer waits for nothing), or not
         parked, holding no lease and heard from (a want, a result) within `ABOUT_TO_ASK_S`: between
         batches. `next_deadline` wakes the coordinator when either window ends, so a want held back
         for such a worker is answered then."""
-        waiting = [w for w in self._waiting(now, current) if w != worker]
-        base, extra = divmod(free, 1 + len(waiting))
-        # the remainder to those granted least so far (this worker first among equals)
-        first = sorted([worker, *waiting], key=lambda w: (self.served[w], w != worker))[:extra]
-        return base + (worker in first)
+        them = [worker, *(w for w in self._waiting(now, current) if w != worker)]
+        lease_s = self.speeds.time_for(worker, self.settings.prompts_per_lease)
+        one_s = self.speeds.time_for(worker, 1)
+        if lease_s is not None and one_s is not None and lease_s >= 2 * one_s:
+            # a worker whose time grows with its prompts loses nothing by a smaller lease: share with
+            # those busy that will ask before it is done with a full one (a batched one would lose a batch)
+            them += [w for w in self._finishing(now, lease_s) if w not in them]
+        if len(them) == 1:
+            return free
+        full = self.settings.prompts_per_lease
+        speed = {w: self._speed(w) for w in them}
+        known = [self.credit[w] for w in them if w in self.credit]
+        floor = min(known, default=0.0)
+        for w in them:  # one granted nothing yet: a prompt behind the least served
+            self.credit.setdefault(w, floor - 1 / speed[w])
+        top = max(self.credit[w] for w in them)
+        for w in them:  # a worker far behind (away, or slow to ask) catches up at most a lease's worth
+            self.credit[w] = max(self.credit[w], top - full / speed[w])
+        got = dict.fromkeys(them, 0)
+        for _ in range(free):
+            open_ = [w for w in them if got[w] < full]
+            if not open_:
+                break
+            w = min(open_, key=lambda w: (self.credit[w] + (got[w] + 1) / speed[w], w != worker, w))
+            got[w] += 1
+        return got[worker]
+
+    def _active(self, worker: str) -> set[str]:
+        """The workers at work: holding leases, or heard from within the waiting window (and ``worker``)."""
+        return {w for w in self.granted_at if self.table.holds(w)} | set(self.asked) | {worker}
+
+    def _ahead(self, worker: str) -> bool:
+        """Has ``worker`` been granted more than half a full lease's worth (in seconds at its speed) beyond
+        the least served of the other workers at work?"""
+        others = [self.credit[w] for w in self._active(worker) if w != worker and w in self.credit]
+        if not others or worker not in self.credit:
+            return False
+        lead_s = self.credit[worker] - min(others)
+        return lead_s > self.settings.prompts_per_lease / 2 / self._speed(worker)
+
+    def _fair_hold(self, worker: str) -> int:
+        """The most ``worker`` may hold under the ``ahead_steps`` bound: its speed's share of the bound
+        among the workers at work (at least one prompt)."""
+        active = sorted(self._active(worker))
+        speed = {w: self._speed(w) for w in active}
+        bound = self.settings.ahead_steps * self.batch
+        return max(1, math.ceil(bound * speed[worker] / sum(speed.values())))
+
+    def _finishing(self, now: float, within_s: float) -> list[str]:
+        """The workers busy with leases that their measured speed says they finish within ``within_s``
+        of ``now`` (or finished less than that time again ago: not yet overdue)."""
+        out = []
+        for w, since in self.granted_at.items():
+            held = self.table.holds(w)
+            took = self.speeds.time_for(w, held) if held else None
+            if took is not None and -took <= since + took - now <= within_s:
+                out.append(w)
+        return out
+
+    def _speed(self, worker: str) -> float:
+        """``worker``'s measured speed; unmeasured, the median of the measured workers' (1: none is)."""
+        s = self.speeds.speed(worker)
+        if s is not None:
+            return s
+        known = sorted(x for x in map(self.speeds.speed, list(self.speeds.samples)) if x is not None)
+        return known[len(known) // 2] if known else 1.0
 
     def _waiting(self, now: float, current: int) -> list[str]:
         """The workers waiting for work at ``now`` (see `_split`)."""
@@ -400,7 +481,10 @@ class WorkPool:
                 bad = Rejected(done.reason, done.reason)
         if bad is not None:
             self.rejected[bad.kind] += 1
+            if bad.kind == "stale":
+                self.speeds.lost(worker, item)
             return bad
+        self.speeds.accepted(worker, item, now)
         prompt = self.open.pop(item)
         c = Completion(
             item,
@@ -415,16 +499,20 @@ class WorkPool:
 
     def expire(self, now: float) -> list[LeaseExpired]:
         self.table.tick(now)
-        return self.table.events()
+        out = self.table.events()
+        for e in out:
+            self.speeds.lost(e.lease.worker, e.lease.item)
+        return out
 
     def leave(self, worker: str, now: float) -> list[LeaseExpired]:
         """``worker`` is gone for good (a revoked pool member): its leases end now and their prompts go
         back to the pool (returned, with any that expired meanwhile), and what the pool kept about it
         is forgotten."""
         self.table.revoke(worker, now)
-        for table in (self.parked, self.asked, self.served):
+        for table in (self.parked, self.asked, self.credit, self.granted_at):
             table.pop(worker, None)
-        return self.table.events()
+        self.speeds.forget(worker)
+        return self.expire(now)
 
     def take(self, n: int, current: int = 0) -> list[tuple[Prompt, Completion]] | None:
         """``n`` accepted results made within ``max_stale`` of version ``current``, oldest version
