@@ -104,9 +104,12 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "synthetic engine) or a time per prompt. Prints each worker's share of the accepted results "
         "next to its share of the generation speed, the part of its results it returned too stale, the "
         "learner's steps, and the largest gap. "
-        "Deterministic (seeded); seconds.",
+        "Deterministic (seeded); seconds. With --cluster: real rollout processes instead (aurora run on "
+        "loopback, synthetic engines at one speed or two, a short and a long learner step): minutes.",
     )
     le.add_argument("--seconds", type=float, default=600.0, help="simulated seconds per case (default 600)")
+    le.add_argument("--cluster", action="store_true", help="run real rollout processes of two speeds instead (minutes)")
+    le.add_argument("--steps", type=int, default=60, help="with --cluster: versions per case (default 60)")
     a = bs.add_parser(
         "actors",
         help="in-process actor tell/ask throughput vs a bare asyncio.Queue",
@@ -1062,6 +1065,13 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 def cmd_bench_leases(args: argparse.Namespace) -> int:
     from aurora.bench.leases import bench, render
 
+    if args.cluster:
+        from aurora.bench import leases_cluster
+
+        if args.steps < 10:
+            raise AuroraError(f"--steps must be at least 10, not {args.steps}")
+        print(leases_cluster.render(leases_cluster.bench(steps=args.steps)))
+        return 0
     if not args.seconds > 0:
         raise AuroraError(f"--seconds must be > 0, not {args.seconds}")
     print(render(bench(args.seconds), args.seconds))
@@ -1237,8 +1247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from aurora.logs import configure
     from aurora.runtime.groups import first_error
 
-    # run, status and bench rl show a display; their own connections' info logs would only clutter it
-    shows = args.cmd in ("run", "status") or (args.cmd, getattr(args, "bench_cmd", None)) == ("bench", "rl")
+    # run, status, bench rl and bench leases --cluster run a cluster; their own connections' info logs
+    # would only clutter what they print
+    bench = (args.cmd, getattr(args, "bench_cmd", None))
+    shows = args.cmd in ("run", "status") or bench == ("bench", "rl") or (bench == ("bench", "leases") and args.cluster)
     quiet = shows and args.log_level == "info"
     configure("warning" if quiet else args.log_level, args.log_format)
     sub = getattr(args, f"{args.cmd}_cmd", None)

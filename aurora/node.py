@@ -152,7 +152,7 @@ async def run_node(
     else:
         await open_store(node, store)
         if spec.role == "rollout" and topo.engine is not None:
-            node.engine = await in_thread(make_engine, topo.engine)
+            node.engine = await in_thread(make_engine, spec.engine or topo.engine)
             if getattr(node.engine, "continuous", False):
                 await node.engine.start()  # vLLM's engine core: a process of its own, on this event loop
     try:

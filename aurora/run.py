@@ -234,8 +234,10 @@ def run(
     interval_s: float = 1.0,
     state: Path | None = None,
     cache: Path | None = None,
+    log_level: str | None = None,
 ) -> dict[str, NodeStatus]:
-    """Run the topology at ``path``; ``state`` defaults to ``runs/NAME-TIME`` (kept)."""
+    """Run the topology at ``path``; ``state`` defaults to ``runs/NAME-TIME`` (kept); ``log_level``: the
+    nodes' (default: `aurora node`'s)."""
     topo = load_topology(path)
     tree = plan(topo, str(path))
     ensure_model(topo, path, progress, cache)
@@ -243,7 +245,7 @@ def run(
     if state is None:
         state = Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress(f"state, logs and metrics: {state}")
-    cluster = Cluster(path, topo, tree, state)
+    cluster = Cluster(path, topo, tree, state, log_level=log_level)
     if cluster.threads is not None:
         progress(f"{cluster.threads} torch thread(s) per node ({os.cpu_count()} CPUs; OMP_NUM_THREADS overrides)")
     status = _run(cluster, progress, interval_s)

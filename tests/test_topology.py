@@ -90,6 +90,8 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("nodes.2.transport", {"kind": "carrier-pigeon"}, "nodes[2].transport.kind", "expected one of"),
     ("sync", {"coding": "sparce"}, "sync.coding", "expected one of"),
     ("sync", {"coding": "auto", "link_mbit": 0}, "sync.link_mbit", "must be > 0"),
+    ("nodes.1.engine", {"kind": "synthetic"}, "nodes[1].engine", "only a rollout runs an engine"),
+    ("nodes.2.engine", {"kind": "synthetic"}, "nodes[2].engine", "needs the topology's engine beside it"),
 ]
 
 
@@ -216,3 +218,24 @@ def test_the_planned_tree_reaches_everyone_once_per_region_and_beats_the_star(to
 def test_the_slowest_link_of_the_planned_tree_is_the_wan_crossing() -> None:
     topo = load_topology(ROOT / "topologies" / "wan-4region.yaml")
     assert slowest_link_mbit(topo, plan(topo)) == pytest.approx(100.0)  # one relay per region: 100 Mbit/s each
+
+
+def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(tmp_path: Path) -> None:
+    """A machine of another kind: a rollout's own ``engine`` replaces the topology's for it alone; the
+    settings the trainer judges results by (``max_new_tokens``, ``temperature``) must be the same."""
+    d = _base()
+    d["engine"] = {"kind": "synthetic", "max_new_tokens": 8, "token_s": 0.1}
+    d["nodes"][2]["engine"] = {"kind": "synthetic", "max_new_tokens": 8, "token_s": 0.05}
+    f = tmp_path / "mixed.yaml"
+    f.write_text(yaml.safe_dump(d))
+    topo = load_topology(f)
+    own = topo.node("r1").engine
+    assert own is not None
+    assert own.token_s == 0.05
+    assert topo.engine is not None
+    assert topo.engine.token_s == 0.1
+    d["nodes"][2]["engine"]["max_new_tokens"] = 16
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match=re.escape("not the topology's engine.max_new_tokens 8")) as e:
+        load_topology(f)
+    assert e.value.path == "nodes[2].engine.max_new_tokens"

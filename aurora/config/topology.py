@@ -119,8 +119,13 @@ class NodeSpec:
     """The node's CurveZMQ secret key file (from ``aurora keys generate``)."""
     egress_mbit: float | None = None
     """The node's own sending limit (default: its region's bandwidth)."""
+    engine: EngineSpec | None = None
+    """A rollout's own engine, for a machine of another kind (default: the topology's ``engine``); its
+    ``max_new_tokens`` and ``temperature`` must be the topology's (the trainer judges results by them)."""
 
     def __post_init__(self) -> None:
+        if self.engine is not None and self.role != "rollout":
+            raise ConfigError(f"only a rollout runs an engine, not a {self.role}", path="engine")
         if not re.fullmatch(NAME_PATTERN, self.name):
             raise ConfigError(
                 f"node name {self.name!r} must be letters, digits, '-', '_' or '.' (at most 64, "
@@ -367,7 +372,11 @@ def load_topology(path: str | Path) -> Topology:
         raise ConfigError(f"not valid YAML: {e}", file=file) from None
     topo = convert(Topology, data, file=file)
     task, model, learner, engine = resolve_paths(topo.task, topo.model, topo.learner, topo.engine, file)
-    topo = replace(topo, task=task, model=model, learner=learner, engine=engine)
+    nodes = tuple(
+        n if n.engine is None else replace(n, engine=resolve_paths(task, model, learner, n.engine, file)[3])
+        for n in topo.nodes
+    )
+    topo = replace(topo, task=task, model=model, learner=learner, engine=engine, nodes=nodes)
     check(topo, file)
     return topo
 
@@ -397,6 +406,16 @@ def check(t: Topology, file: str | None = None) -> None:
     for i, n in enumerate(t.nodes):
         if n.region not in regions:
             raise fail(f"nodes[{i}].region", f"no region named {n.region!r}")
+        if n.engine is not None:
+            if t.engine is None:
+                raise fail(f"nodes[{i}].engine", "a rollout's own engine needs the topology's engine beside it")
+            for key in ("max_new_tokens", "temperature"):
+                if getattr(n.engine, key) != getattr(t.engine, key):
+                    raise fail(
+                        f"nodes[{i}].engine.{key}",
+                        f"{getattr(n.engine, key)} is not the topology's engine.{key} "
+                        f"{getattr(t.engine, key)} (the trainer judges every result by it)",
+                    )
     trainers = [i for i, n in enumerate(t.nodes) if n.role == "trainer"]
     if len(trainers) != 1:
         raise fail("nodes", f"need exactly one trainer, found {len(trainers)}")

@@ -500,8 +500,8 @@ class WorkPool:
     def expire(self, now: float) -> list[LeaseExpired]:
         self.table.tick(now)
         out = self.table.events()
-        for e in out:
-            self.speeds.lost(e.lease.worker, e.lease.item)
+        for e in out:  # a worker that let a lease lapse is unmeasured until it delivers again (as its rate)
+            self.speeds.forget(e.lease.worker)
         return out
 
     def leave(self, worker: str, now: float) -> list[LeaseExpired]:
