@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from aurora.bench.leases import CASES, TRAIN_S, bench, render
+from aurora.bench.leases import CASES, ENGINES, TRAIN_S, bench, render
 from aurora.cli import main
 
 
 def test_bench_leases_prints_every_case_with_shares_that_add_up(capsys: pytest.CaptureFixture[str]) -> None:
     rows = bench(seconds=60.0)
-    assert len(rows) == len(CASES) * len(TRAIN_S) * 2
+    assert len(rows) == len(CASES) * len(TRAIN_S) * len(ENGINES)
     for r in rows:
         assert sum(r.shares.values()) == pytest.approx(1.0)
         assert sum(r.speed.values()) == pytest.approx(1.0)

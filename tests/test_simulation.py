@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from aurora.bench.leases import simulate
+from aurora.bench.leases import ENGINES, simulate
 from aurora.protocol import RestartBudget
 from aurora.protocol.workpool import PoolSettings
 from aurora.testing.leasesim import TRAINER, HoardingWorker, SimTrainer, SimWorker
@@ -264,31 +265,29 @@ def test_hoarding_workers_cannot_starve_the_learner() -> None:
     assert attacked >= honest / 3, (attacked, honest)
 
 
-def _shares(work_s: dict[str, float], train_s: float, *, batched: bool = True) -> dict[str, float]:
+def _shares(work_s: dict[str, float], train_s: float, engine: str) -> dict[str, float]:
     """Each worker's part of the accepted results of 600 simulated seconds with the main job's leasing
     (`aurora bench leases`)."""
-    return simulate(work_s, train_s, batched, seconds=600.0).shares
+    return simulate(work_s, train_s, engine, seconds=600.0).shares
 
 
-def test_equal_workers_get_equal_work_whether_the_learner_or_generation_is_the_bottleneck() -> None:
-    """The first to ask no longer takes a step's work whole (with the leasing before, two equal batched
-    workers split it 43/57 with a 7 s learner step in this simulation, and 144/96 in a real main job).
-    Not held to it: three equal *batched* workers where generation is the bottleneck (0.26/0.33/0.41):
-    the one that is alone idle when a version comes gets the version's whole lease while the other two
-    split theirs; no one is kept idle by it, so it costs no throughput."""
-    cases = [(train_s, n, batched) for train_s in (0.2, 2.0, 7.0) for n in (2, 3) for batched in (True, False)]
-    for train_s, n, batched in cases:
-        if (train_s, n, batched) == (0.2, 3, True):
-            continue
-        shares = _shares({f"w{i}": 1.0 for i in range(n)}, train_s, batched=batched)
-        assert all(abs(v * n - 1) <= 0.1 for v in shares.values()), (train_s, n, batched, shares)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_equal_workers_get_equal_work_whether_the_learner_or_generation_is_the_bottleneck(engine: str) -> None:
+    """The first to ask does not take a step's work whole (with the leasing before `a4ee1a5`, two equal
+    batched workers split it 43/57 with a 7 s learner step in this simulation, and 144/96 in a real main
+    job), and a worker alone idle when a version comes does not get the version's whole lease each time
+    (three equal batched workers, generation the bottleneck: 0.26/0.33/0.41 before `6a731dc`)."""
+    for train_s in (0.2, 2.0, 7.0):
+        for n in (2, 3):
+            shares = _shares({f"w{i}": 1.0 for i in range(n)}, train_s, engine)
+            assert all(abs(v * n - 1) <= 0.1 for v in shares.values()), (train_s, n, shares)
 
 
-def test_work_follows_speed_whichever_side_is_the_bottleneck() -> None:
-    """A worker twice as fast (a batched engine, as the synthetic engine is, or one that takes a time per
-    prompt) gets its speed's share of the work within 10 %, and so where the learner is the bottleneck
-    (the pool times each worker's leases: `aurora.protocol.speed`)."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_work_follows_speed_whichever_side_is_the_bottleneck(engine: str) -> None:
+    """A worker twice as fast gets its speed's share of the work within 10 %, where generation sets the
+    pace and where the learner does (the pool times each worker's leases: `aurora.protocol.speed`;
+    before `6a731dc` a batched one got half of the work with a 7 s learner step)."""
     for train_s in (0.2, 7.0):
-        for batched in (True, False):
-            shares = _shares({"fast": 0.5, "slow": 1.0}, train_s=train_s, batched=batched)
-            assert abs(shares["fast"] / (2 / 3) - 1) <= 0.1, (train_s, batched, shares)
+        shares = _shares({"fast": 0.5, "slow": 1.0}, train_s, engine)
+        assert abs(shares["fast"] / (2 / 3) - 1) <= 0.1, (train_s, shares)

@@ -17,19 +17,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aurora.protocol.workpool import PoolSettings
-from aurora.testing.leasesim import SimTrainer, SimWorker
+from aurora.testing.leasesim import ContinuousSimWorker, SimTrainer, SimWorker
 from aurora.testing.simnet import Faults, SimNetwork
 
 CASES = {"2 equal": {"a": 1.0, "b": 1.0}, "2x": {"fast": 0.5, "slow": 1.0}, "3 equal": {"a": 1.0, "b": 1.0, "c": 1.0}}
 """Seconds a worker's batch (or prompt) takes."""
 TRAIN_S = (0.2, 2.0, 7.0)
+ENGINES = ("batched", "per-prompt", "continuous")
+"""A batch takes a worker's time whatever its size (the synthetic engine, vLLM's offline one); or its
+time per prompt; or each prompt is a request of its own taking that time, up to a lease's worth at once
+(vLLM's async engine: `aurora.testing.leasesim.ContinuousSimWorker`)."""
 
 
 @dataclass(frozen=True)
 class Row:
     case: str
     train_s: float
-    batched: bool
+    engine: str
+    """`ENGINES`: how a worker's time grows with its prompts."""
     shares: dict[str, float]
     speed: dict[str, float]
     steps: int
@@ -42,13 +47,16 @@ class Row:
         return max(abs(self.shares[w] / self.speed[w] - 1) for w in self.shares)
 
 
-def simulate(work_s: dict[str, float], train_s: float, batched: bool, seconds: float, seed: int = 0) -> Row:
+def simulate(work_s: dict[str, float], train_s: float, engine: str, seconds: float, seed: int = 0) -> Row:
     net = SimNetwork(seed=seed, faults=Faults(delay_s=0.01, jitter_s=0.02))
     pool = PoolSettings(ttl_s=30.0, prompts_per_lease=4, batch_s=2.0, ahead_steps=2, max_stale=1)
     trainer = SimTrainer(pool, batch=4, steps=10**9, children=list(work_s), train_s=train_s)
     net.add(trainer)
     for w, s in work_s.items():
-        net.add(SimWorker(w, work_s=s, prompts_per_lease=4, batched=batched))
+        if engine == "continuous":
+            net.add(ContinuousSimWorker(w, work_s=s, prompts_per_lease=4))
+        else:
+            net.add(SimWorker(w, work_s=s, prompts_per_lease=4, batched=engine == "batched"))
     net.advance(seconds)
     done = [a.worker for a in trainer.log.accepted]
     refused = [w for _, w, r in trainer.log.rejected if r.kind == "stale"]
@@ -57,7 +65,7 @@ def simulate(work_s: dict[str, float], train_s: float, batched: bool, seconds: f
     return Row(
         "",
         train_s,
-        batched,
+        engine,
         {w: done.count(w) / max(1, len(done)) for w in work_s},
         {w: v / sum(fast.values()) for w, v in fast.items()},
         len(trainer.log.taken),
@@ -69,9 +77,9 @@ def bench(seconds: float = 600.0) -> list[Row]:
     rows = []
     for case, work_s in CASES.items():
         for train_s in TRAIN_S:
-            for batched in (True, False):
-                r = simulate(work_s, train_s, batched, seconds)
-                rows.append(Row(case, r.train_s, r.batched, r.shares, r.speed, r.steps, r.stale))
+            for engine in ENGINES:
+                r = simulate(work_s, train_s, engine, seconds)
+                rows.append(Row(case, r.train_s, r.engine, r.shares, r.speed, r.steps, r.stale))
     return rows
 
 
@@ -86,6 +94,5 @@ def render(rows: list[Row], seconds: float) -> str:
             f"{w} {r.shares[w]:.3f} ({r.speed[w]:.3f})" + (f" [{100 * r.stale[w]:.0f} %]" if r.stale[w] else "")
             for w in r.shares
         )
-        engine = "batched" if r.batched else "per-prompt"
-        lines.append(f"{r.case:<8} {r.train_s:>9.1f} {engine:>10} {r.steps:>6}  {parts}  {100 * r.worst:.0f} %")
+        lines.append(f"{r.case:<8} {r.train_s:>9.1f} {r.engine:>10} {r.steps:>6}  {parts}  {100 * r.worst:.0f} %")
     return "\n".join(lines)

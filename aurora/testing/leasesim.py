@@ -272,6 +272,53 @@ class SimWorker:
         return out
 
 
+class ContinuousSimWorker(SimWorker):
+    """A rollout worker on a continuous engine (`aurora.actors.work.ContinuousWorker` on vLLM's async
+    engine): each granted prompt is a request of its own, started when granted and done ``work_s``
+    later whatever else runs beside it (up to ``prompts_per_lease`` at once), its result sent then;
+    it asks for more whenever fewer than ``prompts_per_lease`` run, and a new version is taken at
+    once (no batch barrier: a request is labelled with the version it started on, its oldest)."""
+
+    def __init__(self, name: str, *, work_s: float = 0.2, prompts_per_lease: int = 2, want_every_s: float = 1.0):
+        super().__init__(name, work_s=work_s, prompts_per_lease=prompts_per_lease, want_every_s=want_every_s)
+        self.running: dict[int, tuple[float, int]] = {}
+        """Per request: (when it is done, the version it started on)."""
+
+    def tick(self, now: float) -> None:
+        self.holder.tick(now)
+        for ev in self.holder.events():
+            self.prompts.pop(cast(int, ev.lease.item), None)
+            self.running.pop(cast(int, ev.lease.item), None)
+        self._out.extend((TRAINER, renew) for renew in renew_messages(self.name, self.holder.renewals_due(now)))
+        for item, (until, version) in list(self.running.items()):
+            if now >= until:
+                del self.running[item]
+                self.prompts.pop(item, None)
+                lease = self.holder.take(item)
+                if lease is not None:
+                    samples = [SampleWire([5, 6], [-0.5, -0.25])] * self.group_size
+                    self._out.append(
+                        (TRAINER, Result(w=self.name, item=item, token=lease.token, v=version, samples=samples))
+                    )
+                self.next_want = now
+        if self.node_version is None:
+            return
+        self.version = self.node_version
+        for item in self.prompts:
+            if item not in self.running and self.holder.lease(item) is not None:
+                self.running[item] = (now + self.work_s, self.version)
+        if len(self.running) < self.prompts_per_lease and now >= self.next_want:
+            n = self.prompts_per_lease - len(self.running)
+            self._out.append((TRAINER, Want(w=self.name, n=n, v=self.version)))
+            self.next_want = now + self.want_every_s
+
+    def next_deadline(self) -> float | None:
+        ds = [self.holder.next_deadline(), *(u for u, _ in self.running.values())]
+        if self.node_version is not None and len(self.running) < self.prompts_per_lease:
+            ds.append(self.next_want)
+        return min((d for d in ds if d is not None), default=None)
+
+
 class HoardingWorker(SimWorker):
     """A hostile worker: it answers its first ``honest`` prompts at once (so that it is measured as
     fast and granted many), then only renews what it holds and asks for more, answering nothing —
