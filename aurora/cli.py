@@ -108,6 +108,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "loopback, synthetic engines at one speed or two, a short and a long learner step): minutes.",
     )
     le.add_argument("--seconds", type=float, default=600.0, help="simulated seconds per case (default 600)")
+    le.add_argument("--seed", type=int, default=0, help="the simulated network's seed (default 0)")
     le.add_argument("--cluster", action="store_true", help="run real rollout processes of two speeds instead (minutes)")
     le.add_argument("--steps", type=int, default=60, help="with --cluster: versions per case (default 60)")
     a = bs.add_parser(
@@ -1074,7 +1075,7 @@ def cmd_bench_leases(args: argparse.Namespace) -> int:
         return 0
     if not args.seconds > 0:
         raise AuroraError(f"--seconds must be > 0, not {args.seconds}")
-    print(render(bench(args.seconds), args.seconds))
+    print(render(bench(args.seconds, args.seed), args.seconds))
     return 0
 
 

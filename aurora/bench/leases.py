@@ -73,12 +73,12 @@ def simulate(work_s: dict[str, float], train_s: float, engine: str, seconds: flo
     )
 
 
-def bench(seconds: float = 600.0) -> list[Row]:
+def bench(seconds: float = 600.0, seed: int = 0) -> list[Row]:
     rows = []
     for case, work_s in CASES.items():
         for train_s in TRAIN_S:
             for engine in ENGINES:
-                r = simulate(work_s, train_s, engine, seconds)
+                r = simulate(work_s, train_s, engine, seconds, seed)
                 rows.append(Row(case, r.train_s, r.engine, r.shares, r.speed, r.steps, r.stale))
     return rows
 
