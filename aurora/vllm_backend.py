@@ -46,6 +46,7 @@ combines them with the digests of the tensors the update did not touch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -77,7 +78,7 @@ def register() -> None:
     of its processes)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:  # the factory raises on a second registration
+    with contextlib.suppress(ValueError):  # the factory's answer to a second registration (already ours)
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "AuroraWeightTransferEngine")
     layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if _QUIET not in layerwise.filters:

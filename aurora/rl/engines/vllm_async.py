@@ -59,10 +59,14 @@ from aurora import vllm_backend
 from aurora.config.rl import EngineSpec
 from aurora.errors import ConfigError, DeltaFormatError
 from aurora.events import ENGINE_CHECKED
-from aurora.rl.engines.base import WeightUpdate, prompt_ids, sample_seed
-from aurora.rl.engines.vllm_engine import Staged, Stager, _vllm_start
+from aurora.rl.engines.base import WeightUpdate, prompt_ids
+from aurora.rl.engines.vllm_engine import Staged, Stager, _vllm_start, sampled, sampling
 from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt, Sample
+
+Sampled = tuple[list[int], list[float], list[tuple[int, int, int]]]
+"""A sample as vLLM made it: token ids, behaviour log-probabilities, and its spans (version, load, first
+token index) from its tokens' weight versions (`spans_of`)."""
 
 log = structlog.get_logger("aurora.rl.engines.vllm_async")
 
@@ -298,6 +302,7 @@ class AsyncVllmEngine:
     async def complete(self, prompt: Prompt, n: int = 1) -> Completion:
         """``n`` samples for ``prompt``, made with the versions the engine served while it ran, each of
         whose loads passed its check (module docstring)."""
+        ids = prompt_ids(prompt, self.tok)
         while True:
             if self.broken is not None:
                 raise self.broken
@@ -305,32 +310,20 @@ class AsyncVllmEngine:
                 self.serving.clear()
                 await self.serving.wait()
                 continue
-            got = await self._generate(prompt, n)
+            got = await self._generate(ids, prompt, n)
             loads = {load for s in got for _, load, _ in s[2]}
             if all([await asyncio.shield(self._checks[load]) for load in sorted(loads)]):
-                return self._completion(prompt, got)
+                return self._completion(prompt, ids, got)
             self.dropped += 1
             log.warning("results_dropped", item=prompt.id, why="a load that made them failed its check")
 
-    async def _generate(
-        self, prompt: Prompt, n: int
-    ) -> list[tuple[list[int], list[float], list[tuple[int, int, int]]]]:
-        from vllm import SamplingParams
+    async def _generate(self, ids: list[int], prompt: Prompt, n: int) -> list[Sampled]:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        ids = prompt_ids(prompt, self.tok)
-        # vLLM refuses n > 1 with greedy sampling: then each of the n samples is its own request
-        per, reps = (n, 1) if self.spec.temperature > 0 else (1, n)
-        params = SamplingParams(
-            n=per,
-            temperature=self.spec.temperature,
-            max_tokens=self.spec.max_new_tokens,
-            logprobs=0,
-            seed=sample_seed(self.spec.seed, cast(int, self.version), [prompt.id]),
-            ignore_eos=self.spec.fixed_length,
-            skip_special_tokens=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one output, with every sample of the group
+        # one output with every sample of the group
+        params, reps = sampling(
+            self.spec, cast(int, self.version), prompt.id, n, output_kind=RequestOutputKind.FINAL_ONLY
         )
         tag = self._tag
 
@@ -341,18 +334,9 @@ class AsyncVllmEngine:
             return final
 
         outs = await asyncio.gather(*(one() for _ in range(reps)))
-        samples = []
-        for out in outs:
-            for o in out.outputs:
-                toks = list(o.token_ids)
-                per_token = cast(list[dict[int, Any]], o.logprobs or [])
-                lps = [float(d[t].logprob) for t, d in zip(toks, per_token, strict=True)]
-                samples.append((toks, lps, spans_of(o.weight_versions, tag)))
-        return samples
+        return [(*sampled(o), spans_of(o.weight_versions, tag)) for out in outs for o in out.outputs]
 
-    def _completion(
-        self, prompt: Prompt, got: list[tuple[list[int], list[float], list[tuple[int, int, int]]]]
-    ) -> Completion:
+    def _completion(self, prompt: Prompt, ids: list[int], got: list[Sampled]) -> Completion:
         oldest = min(spans[0][0] for _, _, spans in got)
         samples = []
         for toks, lps, spans in got:
@@ -362,4 +346,4 @@ class AsyncVllmEngine:
                     versions.append((v, first))
             plain = len(versions) == 1 and versions[0][0] == oldest
             samples.append(Sample(toks, lps, [] if plain else versions))
-        return Completion(prompt.id, prompt_ids(prompt, self.tok), samples, oldest)
+        return Completion(prompt.id, ids, samples, oldest)

@@ -91,6 +91,33 @@ def staging_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="aurora-stage-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
 
 
+def sampling(spec: EngineSpec, version: int, prompt_id: int, n: int, **more: Any) -> tuple[Any, int]:
+    """vLLM's ``SamplingParams`` for one prompt's group of ``n`` samples, and how many requests of it
+    make the group: vLLM refuses ``n > 1`` with greedy sampling, so each greedy sample is a request of
+    its own (``more``: further parameters, e.g. the output kind)."""
+    from vllm import SamplingParams
+
+    per, reps = (n, 1) if spec.temperature > 0 else (1, n)
+    params = SamplingParams(
+        n=per,
+        temperature=spec.temperature,
+        max_tokens=spec.max_new_tokens,
+        logprobs=0,
+        seed=sample_seed(spec.seed, version, [prompt_id]),
+        ignore_eos=spec.fixed_length,
+        skip_special_tokens=True,
+        **more,
+    )
+    return params, reps
+
+
+def sampled(output: Any) -> tuple[list[int], list[float]]:
+    """A vLLM completion output's token ids and each one's behaviour log-probability."""
+    toks = list(output.token_ids)
+    per_token = cast(list[dict[int, Any]], output.logprobs or [])
+    return toks, [float(d[t].logprob) for t, d in zip(toks, per_token, strict=True)]
+
+
 Entry = tuple[str, tuple[int, ...], bytes]
 """A tensor as verified: (dtype name, shape, digest)."""
 
@@ -239,38 +266,19 @@ class VllmEngine(VerifiedApply):
 
     # -- sampling
     def generate(self, prompts: Sequence[Prompt], version: int, n: int = 1) -> list[Completion]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._serving(version)
         if not prompts:
             return []
         encoded = [prompt_ids(p, self.tok) for p in prompts]
-        # vLLM refuses n > 1 with greedy sampling: then each of the n samples is its own request
-        per, reps = (n, 1) if self.spec.temperature > 0 else (1, n)
-        params = [
-            SamplingParams(
-                n=per,
-                temperature=self.spec.temperature,
-                max_tokens=self.spec.max_new_tokens,
-                logprobs=0,
-                seed=sample_seed(self.spec.seed, version, [p.id]),
-                ignore_eos=self.spec.fixed_length,
-                skip_special_tokens=True,
-            )
-            for p in prompts
-            for _ in range(reps)
-        ]
+        groups = [sampling(self.spec, version, p.id, n) for p in prompts]
+        reps = groups[0][1]
+        params = [params for params, reps in groups for _ in range(reps)]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in encoded for _ in range(reps)]
         outs = self.llm.generate(requests, params, use_tqdm=False)
         result = []
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
-            samples = []
-            for out in outs[i * reps : (i + 1) * reps]:
-                for o in out.outputs:
-                    toks = list(o.token_ids)
-                    per_token = cast(list[dict[int, Any]], o.logprobs or [])
-                    lps = [float(d[t].logprob) for t, d in zip(toks, per_token, strict=True)]
-                    samples.append(Sample(toks, lps))
+            samples = [Sample(*sampled(o)) for out in outs[i * reps : (i + 1) * reps] for o in out.outputs]
             result.append(Completion(p.id, ids, samples, version))
         return result
