@@ -239,3 +239,8 @@ def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(tmp_path: Path
     with pytest.raises(ConfigError, match=re.escape("not the topology's engine.max_new_tokens 8")) as e:
         load_topology(f)
     assert e.value.path == "nodes[2].engine.max_new_tokens"
+    d["nodes"][2]["engine"] = {"kind": "synthetic", "max_new_tokens": 8, "model": {"path": "elsewhere"}}
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match="serves the trainer's model") as e:
+        load_topology(f)
+    assert e.value.path == "nodes[2].engine.model"

@@ -446,3 +446,62 @@ def test_a_worker_gone_quiet_holds_back_work_only_until_it_leaves_the_waiting_wi
         assert deadline <= 11.0 + ABOUT_TO_ASK_S
         granted = pool.unpark(deadline, current=1)
     assert [len(g) for g in granted.values()] == [1]
+
+
+def _answer(pool: WorkPool, worker: str, t: float, took: float, n: int = 4, current: int | None = None) -> int:
+    """``worker`` asks for ``n`` at ``t`` (generating with version ``current``, the trainer's; None: it
+    names none, the trainer is at 0) and answers each prompt it gets, spread over ``took`` seconds; how
+    many it got."""
+    got = pool.want(worker, n, t, version=current, current=current or 0)
+    v = current or 0
+    for i, (lease, p) in enumerate(got):
+        done = pool.result(worker, p.id, lease.token, v, v, _ok(), t + took * (i + 1) / len(got))
+        assert isinstance(done, Accepted)
+    return len(got)
+
+
+def test_a_worker_measured_fast_that_then_hoards_does_not_hold_back_an_honest_one() -> None:
+    """A worker answers its first leases at once (well-formed, so accepted: it is measured 100x faster),
+    then takes a lease and only renews it. It stops counting among the workers at work once it has
+    delivered nothing for a while, so the honest worker is not held to a sliver of the work."""
+    pool = _pool(prompts_per_lease=4, ahead_steps=4, batch=4, ttl_s=30.0)
+    t = 0.0
+    for _ in range(10):
+        _answer(pool, "p", t, 0.01)
+        _answer(pool, "h", t, 1.0)
+        t += 1.0
+        while pool.take(4):
+            pass
+    hoard = pool.want("p", 4, t)
+    assert hoard
+    got = 0
+    for _ in range(50):
+        pool.expire(t)
+        pool.unpark(t)
+        pool.renew("p", [lease.token for lease, _ in hoard], t)
+        got += _answer(pool, "h", t, 1.0)
+        while pool.take(4):
+            pass
+        t += 1.0
+    assert got >= 0.8 * 50 * 4, got
+
+
+def test_asking_with_an_old_version_does_not_hold_back_the_others_work() -> None:
+    """A worker that keeps asking with a version far behind (whose results nobody would use), while the
+    versions move on, is not waited for as if it were switching, and junk results do not make it count
+    as about to ask: the honest worker gets the work."""
+    pool = _pool(prompts_per_lease=4, ahead_steps=2, batch=2, ttl_s=30.0)
+    t, current = 0.0, 0
+    for _ in range(3):
+        _answer(pool, "h", t, 1.0, current=current)
+        t += 1.0
+    got = []
+    for _ in range(20):
+        while pool.take(2, current):
+            current += 1
+        assert pool.want("p", 4, t, version=current - 5, current=current) == []
+        junk = pool.result("p", 10**9, bytes(16), current, current, _ok(), t)
+        assert isinstance(junk, Rejected)
+        got.append(_answer(pool, "h", t + 0.5, 1.0, current=current))
+        t += 2.0
+    assert sum(got) >= 0.8 * 2 * 2 * len(got), got  # what may be leased: ahead_steps × batch

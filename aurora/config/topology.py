@@ -409,6 +409,8 @@ def check(t: Topology, file: str | None = None) -> None:
         if n.engine is not None:
             if t.engine is None:
                 raise fail(f"nodes[{i}].engine", "a rollout's own engine needs the topology's engine beside it")
+            if n.engine.model != t.engine.model:
+                raise fail(f"nodes[{i}].engine.model", "a rollout serves the trainer's model: the topology's")
             for key in ("max_new_tokens", "temperature"):
                 if getattr(n.engine, key) != getattr(t.engine, key):
                     raise fail(

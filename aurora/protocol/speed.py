@@ -9,7 +9,8 @@ it could do. So the meter times whole leases instead:
 * a *sample* is one grant made to a worker that held nothing (so its clock starts at the grant, not
   behind a batch already running): ``n`` prompts, and the time from the grant to the last of them
   accepted. A grant whose prompts are not all accepted (one expired, refused or given back) or a
-  second grant to the same worker before it is done gives no sample;
+  second grant to the same worker before it is done gives no sample (and a lease that lapses
+  unanswered makes the pool `forget` the worker: it is unmeasured until it delivers again);
 * a worker's time for ``n`` prompts is fitted as ``a + b·n`` (``a, b ≥ 0``: least squares over the
   average times of the last `SAMPLES` lease sizes it was timed at, one point per size, clamped): a
   batched engine, whose batch takes the same time whatever its size, fits ``b ≈ 0``; an engine that

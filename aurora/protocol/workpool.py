@@ -38,11 +38,13 @@ Rules and invariants (tests/test_workpool.py holds it to them):
   (`aurora.protocol.speed.SpeedMeter`: prompts per second with a full lease), and a grant is this
   worker's part of the prompts that may be leased now (the room and the version's takes, above)
   among the workers waiting for work — this one, those parked with a version whose results would be
-  used, those not parked that hold nothing and asked or answered within `ABOUT_TO_ASK_S` (between
-  batches, or switching versions), and, where this worker's time grows with its prompts, those its
-  speed says will be done before it would be with a full lease — given prompt by prompt to the one
-  whose credit (work granted, in seconds at its speed) would end soonest. A worker whose credit
-  leads the least served's at work by over half a lease holds at most its speed's share of the
+  used (or, for `ABOUT_TO_ASK_S` after a new version came, one that was of use before it: switching),
+  those not parked that hold nothing and asked or had a lease's result taken within `ABOUT_TO_ASK_S`
+  (between batches), and, where this worker's time grows with its prompts, those its speed says
+  will be done before it would be with a full lease — given prompt by prompt to the one whose
+  credit (work granted, in seconds at its speed) would end soonest. A worker whose credit leads the
+  least served's among the workers at work (those that delivered a result lately: not one that
+  only asks, or only holds leases) by over half a lease holds at most its speed's share of the
   ``ahead_steps`` bound. So each one's share of the work follows its speed whether generation or the
   learner sets the pace (`aurora bench leases`: within 10 % of the speeds' shares in every case it
   runs);
@@ -196,6 +198,8 @@ class WorkPool:
     it (`_waiting`); None once over."""
     granted_at: dict[str, float] = field(default_factory=dict)
     """When each worker was last granted prompts (`_finishing`: when it will ask again)."""
+    delivered: dict[str, float] = field(default_factory=dict)
+    """When each worker last had a result accepted (`_active`: who is at work)."""
     speeds: SpeedMeter = field(init=False)
     """Each worker's generation speed, timed lease by lease (`_split` divides work by it)."""
     credit: dict[str, float] = field(default_factory=dict)
@@ -264,10 +268,12 @@ class WorkPool:
         wanted = self._wanted(version, current)
         free = room if wanted is None else (wanted if room is None else min(room, wanted))
         n = asked if free is None else min(asked, self._split(worker, free, now, current))
-        if room is not None and self._ahead(worker):  # it got more than its speed's share: hold it to that
-            n = min(n, self._fair_hold(worker) - self.table.holds(worker))
         self.asked[worker] = max(asked_at, self.asked.get(worker, asked_at))
         self.parked.pop(worker, None)
+        if n and room is not None and self._ahead(worker, now):  # got more than its speed's share: hold it to that
+            n = min(n, self._fair_hold(worker, now) - self.table.holds(worker))
+            if n <= 0:
+                return []  # it holds its share already, and asks again as it delivers (not parked: not idle)
         if n == 0:
             if asked:
                 self.parked[worker] = (asked, version, asked_at)
@@ -278,9 +284,11 @@ class WorkPool:
             self.table.add_items([p.id])
         idle = not self.table.holds(worker)
         granted = self.table.grant(worker, now, n)
+        if not granted:
+            return []  # at its quota (`LeaseTable.quota`): it asks again as it delivers
         self.granted_at[worker] = now
         self.speeds.granted(worker, [lease.item for lease in granted], now, idle)
-        self.credit[worker] = self.credit.get(worker, 0.0) + len(granted) / self._speed(worker)
+        self.credit[worker] = self.credit.get(worker, 0.0) + len(granted) / self._speeds([worker])[worker]
         if self.batch:  # only `_useful` reads it (and prunes it as it does)
             for lease in granted:
                 self.made_with[cast(int, lease.item)] = version
@@ -340,11 +348,13 @@ class WorkPool:
         seconds at its speed) would end soonest with it — a worker with no credit yet starts a prompt behind
         the least, and one far behind catches up at most a lease's worth — so that over many grants each
         one's share follows its speed; ``worker`` first among equals. Waiting: parked with a version
-        whose results would be used (or any, for `ABOUT_TO_ASK_S` after the trainer's version
-        changed: it is switching to the new one; one that lags longer waits for nothing), or not
-        parked, holding no lease and heard from (a want, a result) within `ABOUT_TO_ASK_S`: between
-        batches. `next_deadline` wakes the coordinator when either window ends, so a want held back
-        for such a worker is answered then."""
+        whose results would be used (or, for `ABOUT_TO_ASK_S` after the trainer's version changed, one
+        whose version was of use before: it is switching to the new one; one that lags longer waits
+        for nothing), or not parked, holding no lease and heard from (a want, a result under its own
+        lease) within `ABOUT_TO_ASK_S`: between batches. `next_deadline` wakes the coordinator when either window ends, so a want held back
+        for such a worker is answered then. (A busy worker counts as about to finish until twice its
+        time is past; a want held back for it is retried at the next message, or when its worker asks
+        again.)"""
         them = [worker, *(w for w in self._waiting(now, current) if w != worker)]
         lease_s = self.speeds.time_for(worker, self.settings.prompts_per_lease)
         one_s = self.speeds.time_for(worker, 1)
@@ -352,10 +362,10 @@ class WorkPool:
             # a worker whose time grows with its prompts loses nothing by a smaller lease: share with
             # those busy that will ask before it is done with a full one (a batched one would lose a batch)
             them += [w for w in self._finishing(now, lease_s) if w not in them]
-        if len(them) == 1:
+        if len(them) == 1 or free == 0:
             return free
         full = self.settings.prompts_per_lease
-        speed = {w: self._speed(w) for w in them}
+        speed = self._speeds(them)
         known = [self.credit[w] for w in them if w in self.credit]
         floor = min(known, default=0.0)
         for w in them:  # one granted nothing yet: a prompt behind the least served
@@ -372,24 +382,29 @@ class WorkPool:
             got[w] += 1
         return got[worker]
 
-    def _active(self, worker: str) -> set[str]:
-        """The workers at work: holding leases, or heard from within the waiting window (and ``worker``)."""
-        return {w for w in self.granted_at if self.table.holds(w)} | set(self.asked) | {worker}
+    def _active(self, worker: str, now: float) -> set[str]:
+        """The workers at work: ``worker``, and those that delivered a result within the waiting window or
+        within twice their own time for a full lease (one that only asks, or only holds leases, is not)."""
+        out = {worker}
+        for w, t in self.delivered.items():
+            lease_s = self.speeds.time_for(w, self.settings.prompts_per_lease) or 0.0
+            if now < t + max(self._waiting_s(), 2 * lease_s):
+                out.add(w)
+        return out
 
-    def _ahead(self, worker: str) -> bool:
+    def _ahead(self, worker: str, now: float) -> bool:
         """Has ``worker`` been granted more than half a full lease's worth (in seconds at its speed) beyond
         the least served of the other workers at work?"""
-        others = [self.credit[w] for w in self._active(worker) if w != worker and w in self.credit]
+        others = [self.credit[w] for w in self._active(worker, now) if w != worker and w in self.credit]
         if not others or worker not in self.credit:
             return False
         lead_s = self.credit[worker] - min(others)
-        return lead_s > self.settings.prompts_per_lease / 2 / self._speed(worker)
+        return lead_s > self.settings.prompts_per_lease / 2 / self._speeds([worker])[worker]
 
-    def _fair_hold(self, worker: str) -> int:
+    def _fair_hold(self, worker: str, now: float) -> int:
         """The most ``worker`` may hold under the ``ahead_steps`` bound: its speed's share of the bound
         among the workers at work (at least one prompt)."""
-        active = sorted(self._active(worker))
-        speed = {w: self._speed(w) for w in active}
+        speed = self._speeds(sorted(self._active(worker, now)))
         bound = self.settings.ahead_steps * self.batch
         return max(1, math.ceil(bound * speed[worker] / sum(speed.values())))
 
@@ -404,13 +419,20 @@ class WorkPool:
                 out.append(w)
         return out
 
-    def _speed(self, worker: str) -> float:
-        """``worker``'s measured speed; unmeasured, the median of the measured workers' (1: none is)."""
-        s = self.speeds.speed(worker)
-        if s is not None:
-            return s
-        known = sorted(x for x in map(self.speeds.speed, list(self.speeds.samples)) if x is not None)
-        return known[len(known) // 2] if known else 1.0
+    def _speeds(self, workers: Sequence[str]) -> dict[str, float]:
+        """Each worker's measured speed; an unmeasured one's, the median of the measured workers' (1: none
+        is)."""
+        out: dict[str, float] = {}
+        default: float | None = None
+        for w in workers:
+            s = self.speeds.speed(w)
+            if s is None:
+                if default is None:
+                    known = sorted(x for x in map(self.speeds.speed, list(self.speeds.samples)) if x is not None)
+                    default = known[len(known) // 2] if known else 1.0
+                s = default
+            out[w] = s
+        return out
 
     def _waiting(self, now: float, current: int) -> list[str]:
         """The workers waiting for work at ``now`` (see `_split`)."""
@@ -422,7 +444,11 @@ class WorkPool:
         out = []
         for w, t in self.asked.items():
             if w in self.parked:
-                if switching or self._useful(self.parked[w][1], current):
+                version = self.parked[w][1]
+                # switching: its version was of use before the newest one came (one stuck further back,
+                # or asking with an old version on purpose, waits for nothing)
+                recent = version is None or version >= current - 1 - self.max_stale
+                if (switching and recent) or self._useful(version, current):
                     out.append(w)
             elif now < t + self._waiting_s() and not self.table.holds(w):
                 out.append(w)
@@ -464,8 +490,7 @@ class WorkPool:
         self, worker: str, item: int, token: Token, version: int, current: int, samples: Sequence[SampleIn], now: float
     ) -> Accepted | Rejected:
         """Offer a result (see the rules in the module docstring)."""
-        if worker in self.asked or self.table.holds(worker):  # a worker's own result: about to ask again
-            self.asked[worker] = max(now, self.asked.get(worker, now))
+        mine = worker in self.asked or self.table.holds(worker)
         bad = self.check(samples, version, current)
         if bad is None and current - version > self.max_stale:
             outcome = self.table.release(worker, item, token, now)
@@ -479,12 +504,15 @@ class WorkPool:
             done = self.table.complete(worker, item, token, now)
             if isinstance(done, ResultRejected):
                 bad = Rejected(done.reason, done.reason)
+        if mine and (bad is None or bad.kind == "stale"):  # its own lease, answered: about to ask again
+            self.asked[worker] = max(now, self.asked.get(worker, now))
         if bad is not None:
             self.rejected[bad.kind] += 1
             if bad.kind == "stale":
                 self.speeds.lost(worker, item)
             return bad
         self.speeds.accepted(worker, item, now)
+        self.delivered[worker] = now
         prompt = self.open.pop(item)
         c = Completion(
             item,
@@ -509,7 +537,7 @@ class WorkPool:
         back to the pool (returned, with any that expired meanwhile), and what the pool kept about it
         is forgotten."""
         self.table.revoke(worker, now)
-        for table in (self.parked, self.asked, self.credit, self.granted_at):
+        for table in (self.parked, self.asked, self.credit, self.granted_at, self.delivered):
             table.pop(worker, None)
         self.speeds.forget(worker)
         return self.expire(now)
