@@ -876,6 +876,12 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
         f"(tree depth {tree.depth()})"
     )
     print(_keys_line(topo, str(args.topology)))
+    for n in topo.nodes:
+        if n.engine is not None:
+            e = n.engine
+            print(
+                f"{n.name}: its own engine {e.kind}" + (f", {e.token_s:g} s per token" if e.kind == "synthetic" else "")
+            )
     for pool in topo.pools:
         print(
             f"pool {pool.name}: up to {pool.max_size} rollout members under {', '.join(pool.parents)} "

@@ -11,6 +11,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aurora.cli import main
 from aurora.config.plan import estimate, plan, slowest_link_mbit
 from aurora.config.strict import convert
 from aurora.config.topology import Topology, check, load_topology
@@ -220,7 +221,9 @@ def test_the_slowest_link_of_the_planned_tree_is_the_wan_crossing() -> None:
     assert slowest_link_mbit(topo, plan(topo)) == pytest.approx(100.0)  # one relay per region: 100 Mbit/s each
 
 
-def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(tmp_path: Path) -> None:
+def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A machine of another kind: a rollout's own ``engine`` replaces the topology's for it alone; the
     settings the trainer judges results by (``max_new_tokens``, ``temperature``) must be the same."""
     d = _base()
@@ -234,6 +237,8 @@ def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(tmp_path: Path
     assert own.token_s == 0.05
     assert topo.engine is not None
     assert topo.engine.token_s == 0.1
+    assert main(["topology", "check", str(f)]) == 0
+    assert "r1: its own engine synthetic, 0.05 s per token" in capsys.readouterr().out
     d["nodes"][2]["engine"]["max_new_tokens"] = 16
     f.write_text(yaml.safe_dump(d))
     with pytest.raises(ConfigError, match=re.escape("not the topology's engine.max_new_tokens 8")) as e:
