@@ -10,7 +10,7 @@ from aurora.protocol.speed import SAMPLES, SpeedMeter, fit
 
 def _timed(meter: SpeedMeter, worker: str, n: int, start: float, took: float) -> None:
     items = [(worker, start, i) for i in range(n)]
-    meter.granted(worker, items, start, idle=True)
+    meter.granted(worker, items, start, at_once=True)
     for it in items:
         meter.accepted(worker, it, start + took)
 
@@ -38,24 +38,26 @@ def test_a_per_prompt_worker_is_told_apart_once_timed_at_two_sizes() -> None:
     assert meter.speed("w") == pytest.approx(1.0)
 
 
-def test_only_a_whole_lease_from_an_idle_start_is_a_sample() -> None:
+def test_only_a_whole_lease_started_at_once_is_a_sample() -> None:
     meter = SpeedMeter(full=2)
-    meter.granted("w", ["a", "b"], 0.0, idle=False)  # it was busy: this waits behind other work
+    meter.granted("w", ["a", "b"], 0.0, at_once=False)  # it waits behind other work: not timed
     meter.accepted("w", "a", 1.0)
     meter.accepted("w", "b", 1.0)
     assert meter.speed("w") is None
-    meter.granted("w", ["c", "d"], 2.0, idle=True)
+    meter.granted("w", ["c", "d"], 2.0, at_once=True)
     meter.lost("w", "c")  # expired, or refused as too stale
     meter.accepted("w", "d", 3.0)
     assert meter.speed("w") is None
-    meter.granted("w", ["e", "f"], 4.0, idle=True)
-    meter.granted("w", ["g"], 4.5, idle=False)  # a second grant before it was done spoils the first
-    meter.accepted("w", "e", 5.0)
-    meter.accepted("w", "f", 5.0)
-    assert meter.speed("w") is None
     meter.accepted("w", "zz", 6.0)  # not its prompt: ignored
-    _timed(meter, "w", 2, 7.0, 0.5)
-    assert meter.speed("w") == pytest.approx(4.0)
+    # a continuous worker's grants overlap: each is timed on its own
+    meter.granted("w", ["e", "f"], 7.0, at_once=True)
+    meter.granted("w", ["g", "h"], 7.25, at_once=True)
+    for item in ("e", "f", "g", "h"):
+        meter.accepted("w", item, 7.25 + 0.5 if item in "gh" else 7.5)
+    assert meter.speed("w") == pytest.approx(4.0)  # 2 prompts in 0.5 s, twice
+    for k in range(3 * SAMPLES):  # grants never answered are bounded
+        meter.granted("w", [f"x{k}"], 10.0, at_once=True)
+    assert len(meter._open["w"]) == SAMPLES
     meter.forget("w")
     assert meter.speed("w") is None
     assert not meter.samples

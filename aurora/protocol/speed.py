@@ -6,11 +6,12 @@ What it measures: a worker's *speed* is the prompts per second it would deliver 
 given less work delivers less, and where the learner sets the pace every worker is given less than
 it could do. So the meter times whole leases instead:
 
-* a *sample* is one grant made to a worker that held nothing (so its clock starts at the grant, not
-  behind a batch already running): ``n`` prompts, and the time from the grant to the last of them
-  accepted. A grant whose prompts are not all accepted (one expired, refused or given back) or a
-  second grant to the same worker before it is done gives no sample (and a lease that lapses
-  unanswered makes the pool `forget` the worker: it is unmeasured until it delivers again);
+* a *sample* is one grant that its worker starts on at once (it held nothing else, or it runs each
+  prompt as a request of its own and asked for these: its clock starts at the grant, not behind a
+  batch already running): ``n`` prompts, and the time from the grant to the last of them accepted.
+  A grant whose prompts are not all accepted (one expired, refused or given back) gives no sample
+  (and a lease that lapses unanswered makes the pool `forget` the worker: it is unmeasured until it
+  delivers again);
 * a worker's time for ``n`` prompts is fitted as ``a + b·n`` (``a, b ≥ 0``: least squares over the
   average times of the last `SAMPLES` lease sizes it was timed at, one point per size, clamped): a
   batched engine, whose batch takes the same time whatever its size, fits ``b ≈ 0``; an engine that
@@ -19,7 +20,7 @@ it could do. So the meter times whole leases instead:
   lease, which gets it more work and so a time at another size;
 * its speed is ``full / (a + b·full)``; a worker with no sample yet is unmeasured (None).
 
-Bounds: at most `SAMPLES` sizes and one open grant per worker; `forget` drops a worker.
+Bounds: at most `SAMPLES` sizes and `SAMPLES` grants being timed per worker; `forget` drops a worker.
 """
 
 from __future__ import annotations
@@ -49,26 +50,27 @@ class SpeedMeter:
     samples: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per worker and lease size (the `SAMPLES` sizes seen last), the seconds from a grant of that size
     to its last result (an exponential average of its samples)."""
-    _open: dict[str, _Open | None] = field(default_factory=dict)
-    """Per worker, the grant being timed; None: none can be (until a grant finds it holding nothing)."""
+    _open: dict[str, list[_Open]] = field(default_factory=dict)
+    """Per worker, the grants being timed (at most `SAMPLES`: the oldest is dropped)."""
 
-    def granted(self, worker: str, items: Iterable[Hashable], now: float, idle: bool) -> None:
-        """``worker`` was granted ``items`` at ``now``; ``idle``: it held nothing before."""
+    def granted(self, worker: str, items: Iterable[Hashable], now: float, at_once: bool) -> None:
+        """``worker`` was granted ``items`` at ``now``; ``at_once``: it starts on them now (it holds nothing
+        else, or runs each prompt as a request of its own and asked for these), so their time is theirs;
+        otherwise they wait behind other work and are not timed."""
         items = set(items)
-        if not items:
-            return
-        # a grant to a worker that holds nothing starts its clock (an earlier one is over, whatever became
-        # of it); one to a busy worker waits behind other work, and spoils the one being timed
-        self._open[worker] = _Open(now, len(items), items) if idle else None
+        if items and at_once:
+            grants = self._open.setdefault(worker, [])
+            grants.append(_Open(now, len(items), items))
+            del grants[:-SAMPLES]
 
     def accepted(self, worker: str, item: Hashable, now: float) -> None:
         """One of ``worker``'s prompts was accepted at ``now``."""
-        o = self._open.get(worker)
-        if o is None or item not in o.left:
+        o = self._grant(worker, item)
+        if o is None:
             return
         o.left.discard(item)
         if not o.left:
-            del self._open[worker]
+            self._open[worker].remove(o)
             if now > o.granted_at:
                 sizes = self.samples.setdefault(worker, {})
                 t = now - o.granted_at
@@ -79,9 +81,12 @@ class SpeedMeter:
 
     def lost(self, worker: str, item: Hashable) -> None:
         """One of ``worker``'s prompts will not be accepted from it (expired, refused, given back)."""
-        o = self._open.get(worker)
-        if o is not None and item in o.left:
-            self._open[worker] = None
+        o = self._grant(worker, item)
+        if o is not None:
+            self._open[worker].remove(o)  # its grant is not timed
+
+    def _grant(self, worker: str, item: Hashable) -> _Open | None:
+        return next((o for o in self._open.get(worker, ()) if item in o.left), None)
 
     def forget(self, worker: str) -> None:
         self.samples.pop(worker, None)

@@ -282,12 +282,15 @@ class WorkPool:
             p = next(self.prompts)
             self.open[p.id] = p
             self.table.add_items([p.id])
-        idle = not self.table.holds(worker)
+        held = self.table.holds(worker)
         granted = self.table.grant(worker, now, n)
         if not granted:
             return []  # at its quota (`LeaseTable.quota`): it asks again as it delivers
         self.granted_at[worker] = now
-        self.speeds.granted(worker, [lease.item for lease in granted], now, idle)
+        # it starts on them at once if it holds nothing else, or (a continuous worker) if it asked for them
+        # with room for them beside what it runs
+        at_once = not held or held + asked <= self.settings.prompts_per_lease
+        self.speeds.granted(worker, [lease.item for lease in granted], now, at_once)
         self.credit[worker] = self.credit.get(worker, 0.0) + len(granted) / self._speeds([worker])[worker]
         if self.batch:  # only `_useful` reads it (and prunes it as it does)
             for lease in granted:
