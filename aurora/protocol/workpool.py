@@ -348,16 +348,16 @@ class WorkPool:
         """``worker``'s part of ``free`` useful prompts among it and the other workers waiting for work,
         in proportion to their speeds (`SpeedMeter`), so that the first to ask does not take what the
         others wait for. Prompt by prompt, each goes to the worker whose credit (its work granted, in
-        seconds at its speed) would end soonest with it — a worker with no credit yet starts a prompt behind
-        the least, and one far behind catches up at most a lease's worth — so that over many grants each
-        one's share follows its speed; ``worker`` first among equals. Waiting: parked with a version
+        seconds at its speed) would end soonest with it — a worker with no credit yet starts a prompt
+        behind the least, and one far behind catches up at most a lease's worth — so that over many
+        grants each one's share follows its speed; ``worker`` first among equals. Waiting: parked with a version
         whose results would be used (or, for `ABOUT_TO_ASK_S` after the trainer's version changed, one
         whose version was of use before: it is switching to the new one; one that lags longer waits
         for nothing), or not parked, holding no lease and heard from (a want, a result under its own
-        lease) within `ABOUT_TO_ASK_S`: between batches. `next_deadline` wakes the coordinator when either window ends, so a want held back
-        for such a worker is answered then. (A busy worker counts as about to finish until twice its
-        time is past; a want held back for it is retried at the next message, or when its worker asks
-        again.)"""
+        lease) within `ABOUT_TO_ASK_S`: between batches. `next_deadline` wakes the coordinator when
+        either window ends, so a want held back for such a worker is answered then. (A busy worker
+        counts as about to finish until twice its time is past; a want held back for it is retried
+        at the next message, or when its worker asks again.)"""
         them = [worker, *(w for w in self._waiting(now, current) if w != worker)]
         lease_s = self.speeds.time_for(worker, self.settings.prompts_per_lease)
         one_s = self.speeds.time_for(worker, 1)
