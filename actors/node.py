@@ -468,6 +468,7 @@ class Node:
         if self.roster is not None:
             self._left(self.clock.now())
             snap = msgspec.structs.replace(snap, pools=self.roster.members())
+        snap = msgspec.structs.replace(snap, speeds=self.pool.measured())
         return StatusSnapshot(snap=snap)
 
     async def up(self, msg: AppMessage, buffers: tuple[bytes | memoryview, ...]) -> bool:

@@ -164,6 +164,8 @@ def render(snap: Snapshot) -> str:
                 f"done {r.completions} ok {r.accepted} rejected {r.rejected} "
                 f"{r.tok_s or 0:.0f} tok/s, switches {r.switches} ({r.switch_ms or 0:.1f} ms avg)"
             )
+        if name in snap.speeds:
+            parts.append(f"speed {snap.speeds[name]:.2f} prompts/s")
         if r.age_s > 3 * STATUS_EVERY_S:
             parts.append(f"(silent {r.age_s:.0f} s)")
         lines.append("  ".join(parts))

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -178,6 +179,12 @@ def test_status_is_kept_only_for_the_topologys_nodes() -> None:
     assert "link 96 Mbit/s" in render(snap)
     assert (snap.nodes["rollout"].age_s, snap.nodes["relay"].age_s) == (8.0, 1.0)
     assert "(silent 8 s)" in render(snap)
+    # the work pool's measured speeds go with it, and refuse what is not a positive finite rate
+    fast = msgspec.structs.replace(snap, speeds={"rollout": 1.5})
+    assert "speed 1.50 prompts/s" in render(fast)
+    for bad in (float("nan"), 0.0, -1.0, 1e300):
+        with pytest.raises(wire.BadMessage):
+            wire.decode_app(wire.encode(wire.StatusSnapshot(snap=msgspec.structs.replace(snap, speeds={"r": bad}))))
     st_.on_published(5, 20.0)
     assert st_.on_held("relay", 5, 20.5) is None
     assert st_.on_held("rollout", 5, 21.25) == 1.25  # the last node: publication to its notice

@@ -271,6 +271,9 @@ class Snapshot(Struct, forbid_unknown_fields=True, frozen=True):
         Meta(max_length=MAX_STATS),
     ] = {}
     """Each pool's members (those the trainer has admitted)."""
+    speeds: Annotated[dict[Name, Annotated[float, Meta(gt=0.0, le=1e9)]], Meta(max_length=MAX_NODES)] = {}
+    """Each rollout's generation speed as the work pool measured it (prompts per second with a full
+    lease: `aurora.protocol.speed`), for those measured; work is divided by it."""
 
 
 class StatusSnapshot(_Msg, tag="status_snapshot"):

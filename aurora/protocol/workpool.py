@@ -572,6 +572,11 @@ class WorkPool:
         cands = [d for d in (self.table.next_deadline(), min(lapse, default=None)) if d is not None]
         return min(cands, default=None)
 
+    def measured(self) -> dict[str, float]:
+        """Each measured worker's speed (prompts per second with a full lease), as `_split` divides by it."""
+        got = {w: self.speeds.speed(w) for w in self.speeds.samples}
+        return {w: round(s, 4) for w, s in got.items() if s is not None and s > 0}
+
     def stats(self) -> dict[str, int | dict[str, int]]:
         return {
             "accepted": self.accepted,
