@@ -882,6 +882,8 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
             print(
                 f"{n.name}: its own engine {e.kind}" + (f", {e.token_s:g} s per token" if e.kind == "synthetic" else "")
             )
+    for line in _served_lines(topo):
+        print(line)
     for pool in topo.pools:
         print(
             f"pool {pool.name}: up to {pool.max_size} rollout members under {', '.join(pool.parents)} "
@@ -895,6 +897,29 @@ def cmd_topology_check(args: argparse.Namespace) -> int:
     if task:
         print(task)
     return 0
+
+
+def _served_lines(topo: Any) -> list[str]:
+    """What `topology check` says about rollouts that generate on a ``vllm serve``: which it starts, and
+    for one you start (``serve.launch: false``) the command that starts it as the rollout needs it."""
+    out = []
+    for n in topo.nodes:
+        e = n.engine or topo.engine
+        if n.role != "rollout" or e is None or e.serve is None:
+            continue
+        if e.serve.launch:
+            out.append(f"{n.name}: generates on a vllm serve at {e.serve.url} that it starts and stops")
+            continue
+        import shlex
+
+        from aurora.rl.engines.vllm_served import SERVE_ENV, serve_argv
+
+        argv = serve_argv(e, str(e.the_model.path), python="python")
+        env = " ".join(f"{k}={v}" for k, v in SERVE_ENV.items())
+        out.append(
+            f"{n.name}: generates on the vllm serve at {e.serve.url}, started on its host by: {env} {shlex.join(argv)}"
+        )
+    return out
 
 
 def _task_line(topo: Any) -> str:

@@ -72,6 +72,12 @@ was stopped for it: the whole switch of a batch engine, the pause of a continuou
 ENGINE_CHECKED = "engine_checked"
 """A continuous engine's check of a version it switched to, after generation resumed: ``version``, ``ok``,
 ``check_ms`` (a failed one drops that version's results and reloads it whole)."""
+ENGINE_SERVER_LAUNCHED = "engine_server_launched"
+"""A rollout started the ``vllm serve`` its engine runs on: ``url``, ``pid``, ``log`` (the server's own log)."""
+ENGINE_SERVER_READY = "engine_server_ready"
+"""A rollout's ``vllm serve`` answered: ``url``, ``wait_s``."""
+ENGINE_SERVER_STOPPED = "engine_server_stopped"
+"""A rollout stopped the ``vllm serve`` it started: ``url``, ``rc``."""
 WORK_STARTED = "work_started"
 """A rollout got its first leases since it started: ``leases``."""
 BATCH_GENERATED = "batch_generated"

@@ -214,7 +214,7 @@ async def run_node(
     finally:
         node.tracker.close()  # the trainer's TensorBoard/W&B files flushed, however the node ends
         if getattr(node.engine, "continuous", False):
-            node.engine.close()  # its engine core process ends with the node
+            await node.engine.close()  # its engine core process (or the vllm serve it launched) ends with the node
 
 
 def as_member(topo: Topology, tree: Tree, credential: Credential) -> tuple[Topology, Tree, str]:

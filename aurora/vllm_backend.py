@@ -321,5 +321,9 @@ class AuroraWorkerExtension:
     def aurora_digests(self, path: str) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
         return dict(self._aurora().digests(path))
 
+    def aurora_digests_hex(self, path: str) -> dict[str, tuple[str, list[int], str]]:
+        """`aurora_digests` as JSON can carry it (a ``vllm serve``'s ``/collective_rpc``): digests in hex."""
+        return {n: (dt, list(shape), d.hex()) for n, (dt, shape, d) in self._aurora().digests(path).items()}
+
     def aurora_read(self, names: list[str]) -> dict[str, torch.Tensor]:
         return dict(self._aurora().read(names))

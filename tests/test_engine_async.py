@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import json
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -19,13 +20,14 @@ import pytest
 from aurora.codec import Weights
 from aurora.codec.decoder import receive
 from aurora.codec.encoder import encode
-from aurora.config.rl import EngineSpec, ModelSpec, SyntheticSpec
+from aurora.config.rl import EngineSpec, ModelSpec, ServeSpec, SyntheticSpec
 from aurora.protocol.messages import Result, SampleWire, decode_app, encode_app
 from aurora.protocol.workpool import Accepted, PoolSettings, Rejected, ResultRules, SampleIn, WorkPool
-from aurora.rl.engines import WeightUpdate
+from aurora.rl.engines import WeightUpdate, make_engine
 from aurora.rl.learners.synthetic import SyntheticLearner
 from aurora.rl.model import init_model_dir
 from aurora.rl.types import Completion, Prompt
+from tests.helpers import free_ports
 from tests.test_engine import smollm2_dir
 
 pytestmark = [
@@ -36,9 +38,22 @@ LONG = 200
 """Tokens per sample: far more than are made before a switch that follows the first ones."""
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
-    if request.param == "tiny":
+@pytest.fixture(
+    scope="module",
+    params=[
+        "tiny",
+        pytest.param("tiny-served", marks=pytest.mark.slow),
+        pytest.param("smollm2", marks=pytest.mark.slow),
+    ],
+)
+def case(request: pytest.FixtureRequest) -> str:
+    """The model, and whether the engine is in the rollout's process or a ``vllm serve`` it launched."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def model(case: str, tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    if case.startswith("tiny"):
         return ModelSpec(path=str(init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=3)))
     return ModelSpec(path=str(smollm2_dir(tmp_path_factory)), max_positions=512)
 
@@ -58,15 +73,14 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 @pytest.fixture(scope="module")
-def engine(model: ModelSpec, loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
-    from aurora.rl.engines.vllm_async import AsyncVllmEngine
-
-    e = AsyncVllmEngine(EngineSpec(kind="vllm", model=model, max_new_tokens=LONG, fixed_length=True, seed=5))
+def engine(case: str, model: ModelSpec, loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
+    serve = ServeSpec(url=f"http://127.0.0.1:{free_ports(1)[0]}") if case.endswith("served") else None
+    e = make_engine(EngineSpec(kind="vllm", model=model, max_new_tokens=LONG, fixed_length=True, seed=5, serve=serve))
     loop.run_until_complete(e.start())
     yield e
     with warnings.catch_warnings():  # vLLM's client leaves a ZeroMQ context to the collector
         warnings.simplefilter("ignore", ResourceWarning)
-        e.close()
+        loop.run_until_complete(e.close())
         for task in asyncio.all_tasks(loop):  # vLLM's output handler, still waiting on its socket
             task.cancel()
         loop.run_until_complete(asyncio.sleep(0.1))
@@ -82,6 +96,9 @@ def _delta(host: Weights, old: Weights, new: Weights, v: int) -> WeightUpdate:
 async def _first_tokens(engine: Any) -> None:
     """Until a probe request, submitted beside the others, has made two tokens (then they have too:
     vLLM schedules the waiting requests of one moment in one step)."""
+    if engine.spec.serve is not None:
+        return await _first_tokens_served(engine.vllm.url)
+    engine = engine.vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -91,6 +108,22 @@ async def _first_tokens(engine: Any) -> None:
         if len(out.outputs[0].token_ids) >= 2:
             await engine.llm.abort("probe")
             return
+
+
+async def _first_tokens_served(url: str) -> None:
+    """`_first_tokens` on a ``vllm serve``: its generate endpoint streamed, the connection closed (the
+    request aborted) once two tokens have come."""
+    import aiohttp
+
+    body = {"token_ids": [1, 5, 6], "sampling_params": {"max_tokens": LONG, "ignore_eos": True}, "stream": True}
+    made = 0
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/inference/v1/generate", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                made += sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+                if made >= 2:
+                    return
 
 
 def _wire(c: Completion) -> Result:

@@ -249,3 +249,26 @@ def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(
     with pytest.raises(ConfigError, match="serves the trainer's model") as e:
         load_topology(f)
     assert e.value.path == "nodes[2].engine.model"
+
+
+@pytest.mark.parametrize(
+    ("serve", "engine", "why", "path"),
+    [
+        ({"url": "http://10.1.2.3:8000"}, "vllm", "must listen on 127.0.0.1 or ::1", "engine.serve.url"),
+        ({"url": "https://127.0.0.1:8000"}, "vllm", "must be http://HOST:PORT", "engine.serve.url"),
+        ({"url": "http://127.0.0.1"}, "vllm", "must be http://HOST:PORT", "engine.serve.url"),
+        ({"url": "http://127.0.0.1:8000", "start_timeout_s": 0}, "vllm", "must be > 0", "engine.serve.start_timeout_s"),
+        ({"url": "http://127.0.0.1:8000"}, "torch", "only a continuous vllm engine", "engine.serve"),
+    ],
+)
+def test_a_served_engine_is_refused_with_the_setting_named(
+    tmp_path: Path, serve: dict[str, object], engine: str, why: str, path: str
+) -> None:
+    d = _base()
+    d["engine"] = {"kind": engine, "serve": serve}
+    f = tmp_path / "served.yaml"
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match=re.escape(why)) as e:
+        load_topology(f)
+    assert e.value.path == path
+    assert str(f) in str(e.value)

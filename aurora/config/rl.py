@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from aurora.errors import ConfigError
 
@@ -189,6 +189,49 @@ TaskSpec = ArithmeticSpec | JsonlSpec | DatasetSpec
 ENGINE_KINDS = ("torch", "vllm", "synthetic")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeSpec:
+    """A ``vllm serve`` on the rollout's host that the rollout feeds (`aurora.rl.engines.vllm_served`)."""
+
+    url: str = "http://127.0.0.1:8100"
+    """Where it listens: ``http://HOST:PORT`` on loopback (it reads the rollout's staged files on this host,
+    and its weight-update endpoints have no authentication)."""
+    launch: bool = True
+    """The rollout starts it (with Aurora's backend and the engine's settings) and stops it; False: it is
+    started by you (``aurora engine serve-args`` prints how) and the rollout waits for it."""
+    start_timeout_s: float = 600.0
+    """How long the rollout waits for it to answer ``/health``."""
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        try:
+            u = urlsplit(self.url)
+            port = u.port
+        except ValueError as e:
+            raise ConfigError(f"{self.url!r} is not a URL ({e})", path="url") from None
+        if u.scheme != "http" or u.hostname is None or port is None or u.path not in ("", "/"):
+            raise ConfigError(f"must be http://HOST:PORT, not {self.url!r}", path="url")
+        if u.hostname not in LOOPBACK:
+            raise ConfigError(
+                f"{u.hostname} is not loopback: the server reads staged files on this host and its weight-update "
+                "endpoints have no authentication, so it must listen on 127.0.0.1 or ::1",
+                path="url",
+            )
+        if not self.start_timeout_s > 0:
+            raise ConfigError("must be > 0", path="start_timeout_s")
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        return cast(str, u.hostname), cast(int, u.port)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSpec:
     kind: Literal["torch", "vllm", "synthetic"] = "torch"
@@ -212,6 +255,9 @@ class EngineSpec:
     kv_on_switch: Literal["keep", "recompute"] = "keep"
     """continuous vllm only: at a version switch, a request in flight keeps the KV its earlier tokens
     computed under the old version (``keep``), or has it computed again under the new one (``recompute``)."""
+    serve: ServeSpec | None = None
+    """continuous vllm only: generate on a ``vllm serve`` on this host (an OpenAI-compatible server that
+    agent and environment code can use too) instead of an engine in the rollout's process."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -224,6 +270,10 @@ class EngineSpec:
             raise ConfigError("must be >= 0", path="token_s")
         if self.kv_on_switch not in ("keep", "recompute"):
             raise ConfigError(f"must be keep or recompute, not {self.kv_on_switch!r}", path="kv_on_switch")
+        if self.serve is not None and not (self.kind == "vllm" and self.continuous):
+            raise ConfigError(
+                "only a continuous vllm engine (kind: vllm, continuous: true) runs on a server", path="serve"
+            )
 
     @property
     def the_model(self) -> ModelSpec:

@@ -1,6 +1,6 @@
 """OS processes that a composition root starts — `aurora run`'s nodes, the benches' nodes and peers,
 the WAN emulator's helpers: started each in its own process group, ended by that group, and their
-CPU time sampled. The one place ``aurora`` starts, signals and measures processes.
+CPU time sampled; and a node's own helpers (`start_child`: a rollout's ``vllm serve``). The one place ``aurora`` starts, signals and measures processes.
 
 Invariants: a process started with `start_group` leads its own process group (a new session), so
 ending it ends what it started too (a node's own helpers, the command ``ip netns exec`` runs), and
@@ -39,6 +39,33 @@ def start_group(argv: Sequence[str], **popen: Any) -> Process:
     """Start ``argv`` as the leader of a new process group (``popen``: `subprocess.Popen`'s other arguments)."""
     p: Process = subprocess.Popen(list(argv), start_new_session=True, **popen)
     return p
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Linux's PR_SET_PDEATHSIG: SIGTERM to this process when the thread that started it ends."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def start_child(argv: Sequence[str], **popen: Any) -> Process:
+    """Start ``argv`` as a helper of this process (a node's ``vllm serve``): in this process's group, so
+    it ends with it where the group is ended, and sent SIGTERM by the kernel if this process dies first
+    (a SIGKILL included; on Linux). Start it from the event loop's thread: the signal follows the
+    thread that started it."""
+    p: Process = subprocess.Popen(list(argv), preexec_fn=_die_with_parent if sys.platform == "linux" else None, **popen)
+    return p
+
+
+def end_child(p: Process, *, grace_s: float = 0.0) -> None:
+    """End a helper `start_child` started: SIGTERM, SIGKILL if it still runs ``grace_s`` later; reaped."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    p.wait()
 
 
 def _signal_group(p: Process, sig: signal.Signals) -> None:

@@ -2,7 +2,8 @@
 
 `aurora.rl.engines.base` is the contract every engine keeps (the verified
 `apply`); `torch_engine`, `vllm_engine` and `synthetic` are the engines, and `vllm_async` the
-continuous one (vLLM's async engine: its own contract, asynchronous, `aurora.actors.work.ContinuousWorker`).
+continuous one (vLLM's async engine: its own contract, asynchronous, `aurora.actors.work.ContinuousWorker`),
+in the rollout's process or on a ``vllm serve`` of its host (`vllm_served`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ def make_engine(spec: EngineSpec) -> Any:
     if spec.kind == "vllm" and spec.continuous:
         from aurora.rl.engines.vllm_async import AsyncVllmEngine
 
+        if spec.serve is not None:
+            from aurora.rl.engines.vllm_served import ServedVllm
+
+            return AsyncVllmEngine(spec, ServedVllm)
         return AsyncVllmEngine(spec)
     if spec.kind == "vllm":
         from aurora.rl.engines.vllm_engine import VllmEngine

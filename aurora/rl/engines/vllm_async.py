@@ -50,8 +50,8 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import structlog
 
@@ -60,9 +60,13 @@ from aurora.config.rl import EngineSpec
 from aurora.errors import ConfigError, DeltaFormatError
 from aurora.events import ENGINE_CHECKED
 from aurora.rl.engines.base import WeightUpdate, prompt_ids
-from aurora.rl.engines.vllm_engine import Staged, Stager, _vllm_start, sampled, sampling
+from aurora.rl.engines.vllm_engine import Entry, Staged, Stager, _vllm_start, sampled, sampling_fields
 from aurora.rl.model import Tokenizer
 from aurora.rl.types import Completion, Prompt, Sample
+
+Made = tuple[list[int], list[float], list[tuple[str, int]]]
+"""A sample as a vLLM returned it: token ids, behaviour log-probabilities, and vLLM's weight-version spans
+(the tag in force, first token index)."""
 
 Sampled = tuple[list[int], list[float], list[tuple[int, int, int]]]
 """A sample as vLLM made it: token ids, behaviour log-probabilities, and its spans (version, load, first
@@ -80,23 +84,123 @@ def _untag(tag: str) -> tuple[int, int]:
     return int(v), int(load)
 
 
-def spans_of(weight_versions: Sequence[Any] | None, fallback: str) -> list[tuple[int, int, int]]:
-    """vLLM's weight-version spans of one sample as (version, load, first token index); consecutive spans
-    of one load merged. A sample vLLM labelled with nothing was made by ``fallback`` (the tag served when
-    it was submitted; vLLM leaves an empty output unlabelled)."""
+def spans_of(weight_versions: Sequence[tuple[str, int]], fallback: str) -> list[tuple[int, int, int]]:
+    """vLLM's weight-version spans of one sample, (tag, first token index), as (version, load, first token
+    index); consecutive spans of one load merged. A sample vLLM labelled with nothing was made by
+    ``fallback`` (the tag served when it was submitted; vLLM leaves an empty output unlabelled)."""
     out: list[tuple[int, int, int]] = []
-    for span in weight_versions or []:
-        v, load = _untag(str(span.version))
+    for tag, start in weight_versions:
+        v, load = _untag(tag)
         if not out or out[-1][1] != load:
-            out.append((v, load, int(span.start)))
+            out.append((v, load, int(start)))
     if not out:
         v, load = _untag(fallback)
         out.append((v, load, 0))
     return out
 
 
+class VllmClient(Protocol):
+    """The ways into one vLLM that `AsyncVllmEngine` uses: its async engine in a process of this node
+    (`InProcessVllm`) or a ``vllm serve`` on this host over HTTP (`aurora.rl.engines.vllm_served`).
+    Every method is vLLM's own public interface (its engine client, its RL and generate endpoints);
+    ``aurora_*`` calls go to the Aurora backend's worker extension through ``collective_rpc``."""
+
+    async def start(self) -> None: ...
+    async def names(self) -> list[str]: ...
+    async def init_transfer(self, staging: str) -> None: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def load(self, update_info: dict[str, Any], tag: str) -> None: ...
+    async def reset_running_kv(self) -> None: ...
+    async def digests(self, name: str) -> dict[str, Entry]: ...
+    async def generate(self, ids: list[int], fields: dict[str, Any]) -> list[Made]: ...
+    async def close(self) -> None: ...
+
+
+class InProcessVllm:
+    """vLLM's `AsyncLLM` made by this process, its engine core a spawned process of its own."""
+
+    def __init__(self, spec: EngineSpec, model_dir: str) -> None:
+        self.spec, self.dir = spec, model_dir
+        self.llm: Any = None
+
+    async def start(self) -> None:
+        """Start vLLM's engine core (a spawned process: its start-up does not see this process's modules)."""
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        with _vllm_start():
+            from vllm.config.weight_transfer import WeightTransferConfig
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            vllm_backend.register()
+            m = self.spec.the_model
+            args = AsyncEngineArgs(
+                model=self.dir,
+                dtype="bfloat16",
+                seed=self.spec.seed,
+                enforce_eager=True,
+                kv_cache_memory_bytes=self.spec.kv_cache_mb << 20,
+                logprobs_mode="processed_logprobs",
+                max_model_len=m.max_positions,
+                enable_prefix_caching=self.spec.kv_on_switch == "recompute",
+                weight_transfer_config=WeightTransferConfig(backend=vllm_backend.BACKEND),
+                worker_extension_cls=vllm_backend.EXTENSION,
+            )
+            self.llm = AsyncLLM.from_engine_args(args)
+
+    async def names(self) -> list[str]:
+        return list((await self.llm.collective_rpc("aurora_names"))[0])
+
+    async def init_transfer(self, staging: str) -> None:
+        await self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"staging": staging}})
+
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def load(self, update_info: dict[str, Any], tag: str) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.start_weight_update()
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self.llm.finish_weight_update(weight_version=tag)
+
+    async def reset_running_kv(self) -> None:
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    async def digests(self, name: str) -> dict[str, Entry]:
+        got = (await self.llm.collective_rpc("aurora_digests", args=(name,)))[0]
+        return {n: (dt, tuple(shape), d) for n, (dt, shape, d) in got.items()}
+
+    async def generate(self, ids: list[int], fields: dict[str, Any]) -> list[Made]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**fields, output_kind=RequestOutputKind.FINAL_ONLY)  # every sample at once
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
+            final = out
+        assert final is not None
+        made: list[Made] = []
+        for o in final.outputs:
+            spans = [(str(w.version), int(w.start)) for w in o.weight_versions or []]
+            made.append((*sampled(o), spans))
+        return made
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+
 class AsyncVllmEngine:
-    """Continuous generation and pausing switches on vLLM's `AsyncLLM` (module docstring).
+    """Continuous generation and pausing switches on vLLM's async engine (module docstring): in this
+    process (`InProcessVllm`), or a ``vllm serve`` (``client``: `aurora.rl.engines.vllm_served.ServedVllm`,
+    as `aurora.rl.engines.make_engine` picks for an engine with ``serve``).
 
     ``version``: the version generation runs on now (its check may still be running); None before the
     first load and while a failed engine serves nothing. Call `start` on the node's event loop first."""
@@ -104,7 +208,7 @@ class AsyncVllmEngine:
     continuous = True
     """Driven by `aurora.actors.work.ContinuousWorker` (not the batch `Worker`)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, client: Callable[[EngineSpec, str], VllmClient] | None = None) -> None:
         m = spec.the_model
         if m.path is None:
             raise ConfigError("a vllm engine needs a model directory (model.path)", path="engine.model.path")
@@ -112,7 +216,7 @@ class AsyncVllmEngine:
         self.dir = m.directory()
         self.tok = Tokenizer.for_model(m)
         self.version: int | None = None
-        self.llm: Any = None
+        self.vllm: VllmClient = (client or InProcessVllm)(spec, str(self.dir))
         self.stager: Stager | None = None
         self._tag = ""
         self._checks: dict[int, asyncio.Future[bool]] = {}
@@ -143,61 +247,24 @@ class AsyncVllmEngine:
         return self.stager.partial_updates if self.stager is not None else 0
 
     async def start(self) -> None:
-        """Start vLLM's engine core (a spawned process: its start-up does not see this process's modules)."""
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-        with _vllm_start():
-            from vllm.config.weight_transfer import WeightTransferConfig
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
-
-            vllm_backend.register()
-            m = self.spec.the_model
-            args = AsyncEngineArgs(
-                model=str(self.dir),
-                dtype="bfloat16",
-                seed=self.spec.seed,
-                enforce_eager=True,
-                kv_cache_memory_bytes=self.spec.kv_cache_mb << 20,
-                logprobs_mode="processed_logprobs",
-                max_model_len=m.max_positions,
-                enable_prefix_caching=self.spec.kv_on_switch == "recompute",
-                weight_transfer_config=WeightTransferConfig(backend=vllm_backend.BACKEND),
-                worker_extension_cls=vllm_backend.EXTENSION,
-            )
-            self.llm = AsyncLLM.from_engine_args(args)
+        """Start the vLLM (or reach the served one), warm it up, and open its Aurora backend."""
+        await self.vllm.start()
         await self._warm_up()
-        names = (await self.llm.collective_rpc("aurora_names"))[0]
-        self.stager = Stager(set(names))
-        await self.llm.collective_rpc(
-            "init_weight_transfer_engine", kwargs={"init_info": {"staging": str(self.stager.dir)}}
-        )
+        self.stager = Stager(set(await self.vllm.names()))
+        await self.vllm.init_transfer(str(self.stager.dir))
 
     async def _warm_up(self) -> None:
         """One short request on the directory's weights before any version: an engine's first step
         creates its kernels' primitives (seconds on a busy CPU), which would otherwise hold up the
         first leased prompt and the first switch's pause."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(  # as a rollout's requests are (seeded, several samples, log-probabilities)
-            n=2,
-            temperature=1.0,
-            max_tokens=2,
-            logprobs=0,
-            seed=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        # as a rollout's requests are (seeded, several samples, log-probabilities)
+        fields = {"n": 2, "temperature": 1.0, "max_tokens": 2, "logprobs": 0, "seed": 0}
         t0 = time.perf_counter()
-        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=[0, 1]), params, request_id="aurora-warm-up"):
-            pass
+        await self.vllm.generate([0, 1], fields)
         log.info("engine_warmed_up", warm_up_ms=round((time.perf_counter() - t0) * 1e3, 1))
 
-    def close(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
+    async def close(self) -> None:
+        await self.vllm.close()
 
     # -- switching
     async def apply(self, update: WeightUpdate) -> None:
@@ -219,7 +286,7 @@ class AsyncVllmEngine:
         t0 = time.perf_counter()
         staged = await asyncio.to_thread(self.stager.stage, update.weights, touched)
         t1 = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self.vllm.pause()
         t2 = time.perf_counter()
         try:
             await self._session(update, staged)
@@ -229,7 +296,7 @@ class AsyncVllmEngine:
             log.warning("vllm_update_failed", version=update.version, error=repr(e), retry="every tensor")
             staged = await asyncio.to_thread(self.stager.stage, update.weights, None)
             await self._session(update, staged)
-        await self.llm.resume_generation()
+        await self.vllm.resume()
         t3 = time.perf_counter()
         self.pause_s += t3 - t1
         self.last_switch = {
@@ -245,16 +312,12 @@ class AsyncVllmEngine:
         """One vLLM weight-update session of a staged file, tagged ``"V:L"`` (the file is removed if it
         fails)."""
         assert self.stager is not None
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         tag = _tag(update.version, staged.serial)
         self._checks[staged.serial] = asyncio.get_running_loop().create_future()
         try:
-            await self.llm.start_weight_update()
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=self.stager.update_info(staged)))
-            await self.llm.finish_weight_update(weight_version=tag)
+            await self.vllm.load(self.stager.update_info(staged), tag)
             if self.spec.kv_on_switch == "recompute":
-                await self.llm.reset_prefix_cache(reset_running_requests=True)
+                await self.vllm.reset_running_kv()
         except Exception:
             staged.path.unlink(missing_ok=True)
             self._checks.pop(staged.serial).set_result(False)
@@ -270,7 +333,7 @@ class AsyncVllmEngine:
         assert self.stager is not None
         t0 = time.perf_counter()
         try:
-            got = (await self.llm.collective_rpc("aurora_digests", args=(staged.path.name,)))[0]
+            got = await self.vllm.digests(staged.path.name)
         finally:
             staged.path.unlink(missing_ok=True)
         record = Stager.record(staged, got)
@@ -318,23 +381,10 @@ class AsyncVllmEngine:
             log.warning("results_dropped", item=prompt.id, why="a load that made them failed its check")
 
     async def _generate(self, ids: list[int], prompt: Prompt, n: int) -> list[Sampled]:
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        # one output with every sample of the group
-        params, reps = sampling(
-            self.spec, cast(int, self.version), prompt.id, n, output_kind=RequestOutputKind.FINAL_ONLY
-        )
+        fields, reps = sampling_fields(self.spec, cast(int, self.version), prompt.id, n)
         tag = self._tag
-
-        async def one() -> Any:
-            final = None
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
-                final = out
-            return final
-
-        outs = await asyncio.gather(*(one() for _ in range(reps)))
-        return [(*sampled(o), spans_of(o.weight_versions, tag)) for out in outs for o in out.outputs]
+        outs = await asyncio.gather(*(self.vllm.generate(ids, fields) for _ in range(reps)))
+        return [(toks, lps, spans_of(spans, tag)) for out in outs for toks, lps, spans in out]
 
     def _completion(self, prompt: Prompt, ids: list[int], got: list[Sampled]) -> Completion:
         oldest = min(spans[0][0] for _, _, spans in got)

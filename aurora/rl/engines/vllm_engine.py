@@ -91,24 +91,29 @@ def staging_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="aurora-stage-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
 
 
+def sampling_fields(spec: EngineSpec, version: int, prompt_id: int, n: int) -> tuple[dict[str, Any], int]:
+    """vLLM's sampling parameters (``SamplingParams``' fields, as a served vLLM takes them too) for one
+    prompt's group of ``n`` samples, and how many requests of it make the group: vLLM refuses ``n > 1``
+    with greedy sampling, so each greedy sample is a request of its own."""
+    per, reps = (n, 1) if spec.temperature > 0 else (1, n)
+    fields = {
+        "n": per,
+        "temperature": spec.temperature,
+        "max_tokens": spec.max_new_tokens,
+        "logprobs": 0,
+        "seed": sample_seed(spec.seed, version, [prompt_id]),
+        "ignore_eos": spec.fixed_length,
+        "skip_special_tokens": True,
+    }
+    return fields, reps
+
+
 def sampling(spec: EngineSpec, version: int, prompt_id: int, n: int, **more: Any) -> tuple[Any, int]:
-    """vLLM's ``SamplingParams`` for one prompt's group of ``n`` samples, and how many requests of it
-    make the group: vLLM refuses ``n > 1`` with greedy sampling, so each greedy sample is a request of
-    its own (``more``: further parameters, e.g. the output kind)."""
+    """`sampling_fields` as vLLM's ``SamplingParams`` (``more``: further parameters, e.g. the output kind)."""
     from vllm import SamplingParams
 
-    per, reps = (n, 1) if spec.temperature > 0 else (1, n)
-    params = SamplingParams(
-        n=per,
-        temperature=spec.temperature,
-        max_tokens=spec.max_new_tokens,
-        logprobs=0,
-        seed=sample_seed(spec.seed, version, [prompt_id]),
-        ignore_eos=spec.fixed_length,
-        skip_special_tokens=True,
-        **more,
-    )
-    return params, reps
+    fields, reps = sampling_fields(spec, version, prompt_id, n)
+    return SamplingParams(**fields, **more), reps
 
 
 def sampled(output: Any) -> tuple[list[int], list[float]]:
