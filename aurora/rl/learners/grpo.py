@@ -27,18 +27,23 @@ latest version (versions after it are trained again from there).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from aurora.codec import Weights
 from aurora.config.rl import GrpoSpec, ModelSpec
@@ -46,6 +51,7 @@ from aurora.errors import ConfigError
 from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
 from aurora.rl.evaluate import Evaluator
 from aurora.rl.learners.base import LearnerContext, bf16_weights
+from aurora.rl.learners.ranks import Ranks
 from aurora.rl.model import Tokenizer, build_model
 from aurora.rl.tasks import Task
 from aurora.rl.types import Completion, Prompt
@@ -137,6 +143,7 @@ class GrpoLearner:
         checkpoint_dir: Path | None = None,
         chat: bool = False,
         max_new_tokens: int = 16,
+        ranks: Ranks | None = None,
     ) -> None:
         if temperature <= 0:
             raise ConfigError("GRPO needs sampled rollouts: engine.temperature must be > 0", path="engine.temperature")
@@ -146,8 +153,10 @@ class GrpoLearner:
         self.temperature = temperature
         self.checkpoint_dir = checkpoint_dir
         self.tok = Tokenizer.for_model(model)
+        self.ranks = ranks or Ranks.single()
         torch.manual_seed(spec.seed)
         self.model = build_model(model).float().train()
+        self.ranks.shard(self.model)  # one rank: as built
         self.params = dict(self.model.named_parameters())
         self.opt = self._optimizer()
         self.evaluator = Evaluator(spec.eval, task, model, self.tokenize, max_new_tokens)
@@ -156,7 +165,10 @@ class GrpoLearner:
         self.ref: Any = None
         self._errors_seen = 0
         self._published: Weights | None = None
-        """The last version returned: a step that trains nothing returns it again (unchanged, same arrays)."""
+        """The last version returned (rank 0): a step that trains nothing returns it again (unchanged,
+        same arrays)."""
+        self._made = False
+        """A version has been made since the start or a restore (on every rank alike)."""
         self.version = 0
         self.stats: dict[str, Any] = {}
         self.batch_size, self.interval_s, self.group_size, self.seed = (
@@ -173,9 +185,11 @@ class GrpoLearner:
 
     # -- versions
     def weights(self) -> Weights:
-        """The bf16 cast of the master weights: the next version. Raises `LearnerError` rather than
+        """The bf16 cast of the master weights: the next version (gathered from every rank: each must
+        call this; a follower gets the version too, and drops it). Raises `LearnerError` rather than
         return one with a non-finite value."""
-        self._published = bf16_weights(self.params, f"version {self.version}")
+        self._made = True
+        self._published = bf16_weights(self.ranks.full(self.params), f"version {self.version}")
         return self._published
 
     def _reward_errors(self) -> int:
@@ -203,6 +217,7 @@ class GrpoLearner:
         return int(self.model.get_input_embeddings().num_embeddings)
 
     def initial(self) -> Weights:
+        self.ranks.command("initial")
         if self.spec.warm_start_steps:
             self._warm_start()
         self._set_reference()
@@ -211,16 +226,18 @@ class GrpoLearner:
 
     def restore(self, weights: Weights, version: int) -> None:
         """Continue after ``version`` (the store's latest): from the newest checkpoint at or before it,
-        else from its weights with a fresh optimiser."""
+        else from its weights with a fresh optimiser (rank 0 decides; every rank loads)."""
         ckpt = self._latest_checkpoint(version)
-        self._published = None
+        self.ranks.command("restore", version, ckpt)
+        self._restore(version, ckpt, weights)
+
+    def _restore(self, version: int, ckpt: tuple[int, Path] | None, weights: Weights | None = None) -> None:
+        self._published, self._made = None, False
         if ckpt is None:
-            tensors = weights.to_tensors()
+            tensors = self.ranks.same(weights.to_tensors() if weights is not None else None)
             if set(tensors) != set(self.params):
                 raise ConfigError("the stored weights do not fit the model (different tensors)", path="model")
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    p.copy_(tensors[n])
+            self._load_master(tensors)
             log.warning(
                 "learner_restored_without_checkpoint",
                 version=version,
@@ -228,14 +245,31 @@ class GrpoLearner:
             )
         else:
             v, path = ckpt
-            master = load_file(path / "master.safetensors")
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    p.copy_(master[n])
-            self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            if (path / "master.safetensors").is_file():  # a checkpoint of one rank from before DCP
+                if self.ranks.size > 1:
+                    raise ConfigError(
+                        f"{path} is a one-rank checkpoint of an older Aurora: resume it with learner.ranks 1",
+                        path="learner.ranks",
+                    )
+                self._load_master(load_file(path / "master.safetensors"))
+                self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            else:
+                self._load_checkpoint(path)
             log.info("learner_restored", checkpoint=v, version=version, retrained_steps=version - v)
         self._set_reference()
         self.version = version
+
+    def _load_master(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The master weights from whole tensors (every rank takes its shards)."""
+        if self.ranks.size == 1:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(tensors[n])
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, Any] = {n: t.to(torch.float32) for n, t in tensors.items()}
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _set_reference(self) -> None:
         if self.spec.kl_coef > 0:
@@ -251,17 +285,20 @@ class GrpoLearner:
         t0 = time.monotonic()
         for step in range(1, spec.warm_start_steps + 1):
             batch = [next(prompts) for _ in range(spec.warm_start_batch)]
+            mine, weight = self.ranks.share(batch)
             seqs, starts = [], []
-            for p in batch:
+            for p in mine:
                 prompt = list(self.tokenize(p))
                 starts.append(len(prompt))
                 answer = self.tok.hf(p.answer, add_special_tokens=False)["input_ids"]
                 seqs.append(prompt + list(answer) + [self.tok.eos_id])
             packed = self._pack(seqs, starts)
             logp = self._logp(self.model, packed, temperature=1.0)
-            loss = -(logp * packed.targets).sum() / packed.targets.sum()
+            tokens = packed.targets.sum()
+            loss = self._scaled(-(logp * packed.targets).sum() / tokens, float(tokens), weight, self._tokens(batch))
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
+            self.ranks.settle(self.model)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             opt.step()
             if step % 50 == 0 or step == spec.warm_start_steps:
@@ -269,9 +306,23 @@ class GrpoLearner:
                     "warm_start",
                     step=step,
                     of=spec.warm_start_steps,
-                    loss=round(float(loss.detach()), 4),
+                    loss=round(self.ranks.sum(float(loss.detach())) / self.ranks.size, 4),
                     elapsed_s=round(time.monotonic() - t0, 1),
                 )
+
+    def _tokens(self, prompts: Sequence[Prompt]) -> float:
+        """The answer tokens a warm-start batch trains on, over every rank's share (each rank knows the
+        whole batch)."""
+        if self.ranks.size == 1:
+            return 0.0  # unused: one rank's share is the whole
+        return float(sum(len(self.tok.hf(p.answer, add_special_tokens=False)["input_ids"]) + 1 for p in prompts))
+
+    def _scaled(self, loss: torch.Tensor, local: float, weight: float, total: float) -> torch.Tensor:
+        """A rank's mean loss over its ``local`` tokens as its part of the step's mean over all ``total``:
+        FSDP averages the ranks' gradients, so the part is taken ``size`` times. One rank: ``loss`` itself."""
+        if self.ranks.size == 1:
+            return loss
+        return loss * (weight * self.ranks.size * local / total)
 
     def _pack(self, seqs: list[list[int]], starts: list[int]) -> _Packed:
         """``seqs`` (``starts[i]``: where sequence i's response begins) as a `_Packed` batch. The last
@@ -312,13 +363,14 @@ class GrpoLearner:
         """Score, normalise within groups, train ``epochs`` AdamW steps, return the next version.
 
         A step whose loss or gradient norm is not finite changes nothing (counted in the stats as
-        ``nonfinite_skipped``); a version with a non-finite value is never returned (`LearnerError`)."""
+        ``nonfinite_skipped``); a version with a non-finite value is never returned (`LearnerError`).
+        Rank 0 scores; every rank trains on its share of the rows (`aurora.rl.learners.ranks`)."""
         t0 = time.monotonic()
         scored = [self._score(prompt, comp) for prompt, comp in batch]
         score_s = time.monotonic() - t0
         rows = [row for sc in scored if sc.train for row in sc.rows]
-        train = self._train(rows) if rows else _Trained()
-        self.version += 1
+        self.ranks.command("advance", rows)
+        train, version = self._advance(rows)
         rewards = [r for sc in scored for r in sc.rewards]
         n = max(1, len(rewards))
         stale = [self.version - 1 - comp.version for _, comp in batch]
@@ -346,15 +398,34 @@ class GrpoLearner:
                 epochs=train.skipped,
                 why="the loss or the gradient norm was not finite; the weights were left as they were",
             )
+        assert version is not None
+        return version
+
+    def _advance(self, rows: list[_Row]) -> tuple[_Trained, Weights | None]:
+        """What every rank does for a step: train on its share of ``rows``, count the version, checkpoint
+        when one is due, and make the version (the last one again when nothing trained)."""
+        train = self._train(rows) if rows else _Trained()
+        self.version += 1
         if (
             self.checkpoint_dir is not None
             and self.spec.checkpoint_every
             and self.version % self.spec.checkpoint_every == 0
         ):
             self.save_checkpoint(self.version)
-        if train.stepped == 0 and self._published is not None:
-            return self._published  # nothing trained: the same version, every tensor the very same array
-        return self.weights()
+        if train.stepped == 0 and self._made:
+            return train, self._published  # nothing trained: the same version, every tensor the very same array
+        return train, self.weights()
+
+    def follow(self) -> None:
+        """A follower rank (not rank 0): run rank 0's commands until it stops (`Ranks.follow`)."""
+        self.ranks.follow(
+            {
+                "initial": self.initial,
+                "restore": lambda version, ckpt: self._restore(version, ckpt),
+                "advance": self._advance,
+                "checkpoint": self.save_checkpoint,
+            }
+        )
 
     def _score(self, prompt: Prompt, comp: Completion) -> _Scored:
         """Rewards from the tokens the learner trains on (decoded here, never a worker's text), and
@@ -369,10 +440,13 @@ class GrpoLearner:
         return _Scored(r.tolist(), [sc.correct for sc in scores], rows, std >= 1e-6 or not self.spec.skip_flat_groups)
 
     def _train(self, rows: list[_Row]) -> _Trained:
+        total = float(sum(len(st) for _, st, _, _ in rows))  # the step's response tokens, every rank's
+        rows, weight = self.ranks.share(rows)
         seqs = [list(pt) + list(st) for pt, st, _, _ in rows]
         starts = [len(pt) for pt, _, _, _ in rows]
         packed = self._pack(seqs, starts)
         targets = packed.targets
+        local = float(targets.sum())
         old = torch.zeros_like(targets)
         for i, (_, _, _, lps) in enumerate(rows):
             old[i, targets.shape[1] - len(lps) :] = torch.tensor(lps)
@@ -386,12 +460,15 @@ class GrpoLearner:
                 kl = k3_kl(ref_logp, logp, targets)
                 loss = loss + self.spec.kl_coef * kl
                 out.kls.append(float(kl.detach()))
+            loss = self._scaled(loss, local, weight, total)
             self.opt.zero_grad(set_to_none=True)
-            if not bool(torch.isfinite(loss)):
+            if not self.ranks.every(bool(torch.isfinite(loss))):
+                self.ranks.settle(self.model)
                 out.skipped += 1
                 continue
             loss.backward()  # type: ignore[no-untyped-call]
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
+            self.ranks.settle(self.model)
+            norm = self.ranks.scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
             if not math.isfinite(norm):
                 self.opt.zero_grad(set_to_none=True)
                 out.skipped += 1
@@ -399,8 +476,9 @@ class GrpoLearner:
             self.opt.step()
             out.stepped += 1
             out.grad_norm = norm
-            out.losses.append(float(loss.detach()))
-            out.clipped.append(clip_fraction(ratio, targets, self.spec.clip_eps))
+            out.losses.append(self.ranks.sum(float(loss.detach())) / self.ranks.size)
+            clipped = clip_fraction(ratio, targets, self.spec.clip_eps)
+            out.clipped.append(clipped if self.ranks.size == 1 else self.ranks.sum(clipped * local * weight) / total)
         return out
 
     def _logp(self, model: Any, p: _Packed, temperature: float | None = None) -> torch.Tensor:
@@ -429,17 +507,40 @@ class GrpoLearner:
 
     # -- checkpoints
     def save_checkpoint(self, version: int) -> Path:
+        """Master weights and optimiser state, sharded (``torch.distributed.checkpoint``: each rank
+        writes its shards, readable by any number of ranks). Every rank calls this at once; rank 0
+        makes the directory and publishes it whole."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         assert self.checkpoint_dir is not None
         dest = self.checkpoint_dir / f"v{version:08d}"
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        if self.ranks.rank > 0:
+            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=self.ranks.same(None))
+            return dest
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         # whole or not there, and one of this version (from a trainer's earlier life) is swapped out, never
         # deleted first: a crash at any point leaves a checkpoint to resume from
         with publish_dir(dest, replace=True) as tmp:
-            save_file({n: p.detach().contiguous() for n, p in self.params.items()}, str(tmp / "master.safetensors"))
-            torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-            (tmp / "meta.json").write_text(json.dumps({"version": version, "spec": self.spec.kind}))
-        log.info("checkpoint_saved", version=version, path=str(dest))
+            self.ranks.same(str(tmp))
+            with _one_process():
+                dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=self.ranks.size == 1)
+            meta = {"version": version, "spec": self.spec.kind, "format": "dcp", "ranks": self.ranks.size}
+            (tmp / "meta.json").write_text(json.dumps(meta))
+        log.info("checkpoint_saved", version=version, path=str(dest), ranks=self.ranks.size)
         return dest
+
+    def _load_checkpoint(self, path: Path) -> None:
+        """A checkpoint `save_checkpoint` wrote, with any number of ranks, into this job's shards."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        try:
+            with _one_process():
+                dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=self.ranks.size == 1)
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as e:  # another model's: names, shapes
+            raise ConfigError(f"checkpoint {path} does not fit the model: {e}", path="model") from None
+        set_state_dict(self.model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def _latest_checkpoint(self, at_most: int) -> tuple[int, Path] | None:
         if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
@@ -450,6 +551,14 @@ class GrpoLearner:
             if (p / "meta.json").is_file() and p.name[1:].isdigit() and int(p.name[1:]) <= at_most
         ]
         return max(found) if found else None
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Around DCP for one rank: it warns, each time, that it was asked to run in one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def make(context: LearnerContext) -> GrpoLearner:
