@@ -997,6 +997,25 @@ def cmd_node(args: argparse.Namespace) -> int:
             raise AuroraError(f"--bind must be tcp://HOST:PORT, not {args.bind!r}")
     if topo.model is not None and topo.model.fetch is not None:  # never a random preset in place of a missing model
         ensure_model(topo, args.topology, lambda m: print(m, file=sys.stderr, flush=True), cache=_default_cache())
+    if role == "trainer" and getattr(topo.learner, "ranks", 1) > 1:
+        from aurora.rl.learners.ranks import launch_argv, rank_here
+
+        rank = rank_here()
+        if rank is None:  # every rank under torch's launcher; this process becomes its agent
+            argv = launch_argv(topo.learner.ranks, topo.learner.restarts, sys.argv[1:])  # type: ignore[union-attr]
+            print(f"aurora node: the learner's {topo.learner.ranks} ranks under {' '.join(argv[1:7])}", file=sys.stderr)  # type: ignore[union-attr]
+            sys.stderr.flush()
+            os.execv(sys.executable, argv)
+        if rank > 0:  # a follower: the learner's shards, driven by rank 0 (which runs the node)
+            import structlog
+
+            from aurora.logs import configure
+            from aurora.node import trainer_learner
+
+            configure("warning", args.log_format)
+            structlog.contextvars.bind_contextvars(rank=rank)
+            trainer_learner(topo, args.store).follow()  # type: ignore[attr-defined]
+            return 0
 
     async def main() -> None:
         stop = asyncio.Event()

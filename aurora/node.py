@@ -54,7 +54,7 @@ from aurora.protocol.roster import member_pool
 from aurora.protocol.workpool import PoolSettings, ResultRules, WorkPool
 from aurora.rl.engines import make_engine
 from aurora.rl.learners import Learner, make_learner
-from aurora.rl.tasks import make_task
+from aurora.rl.tasks import Task, make_task
 from aurora.rl.types import Prompt
 from aurora.runtime import ChildSpec, Clock, LoopClock, Supervisor, cancel_and_wait, in_thread, unwrap_group
 from aurora.store import DeltaStore
@@ -295,22 +295,28 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def trainer_learner(topo: Topology, store: Path | None, task: Task | None = None) -> Learner:
+    """The learner a trainer of ``topo`` runs, its checkpoints in ``store`` (the same on every rank of a
+    sharded learner: rank 0 in the node, the others following it)."""
+    engine = topo.engine or EngineSpec()
+    return make_learner(
+        topo.learner,
+        model=topo.model,
+        task=task or make_task(topo.task),
+        temperature=engine.temperature,
+        checkpoint_dir=None if store is None else store / "checkpoints",
+        chat=topo.task.chat,
+        max_new_tokens=engine.max_new_tokens,
+    )
+
+
 async def open_trainer(node: Node, store: Path | None, learner: Learner | None = None) -> None:
     """The learner (``learner``, or the topology's), version 0 (or the store's latest), and the work
     pool on the task's prompts."""
     task = make_task(node.topo.task)
     if store is not None:
         node.store = DeltaStore(store)
-    engine = node.topo.engine or EngineSpec()
-    learner = learner or make_learner(
-        node.topo.learner,
-        model=node.topo.model,
-        task=task,
-        temperature=engine.temperature,
-        checkpoint_dir=None if store is None else store / "checkpoints",
-        chat=node.topo.task.chat,
-        max_new_tokens=engine.max_new_tokens,
-    )
+    learner = learner or trainer_learner(node.topo, store, task)
     node.learner = learner
     if store is not None:
         config = {"topology": node.topo.name, "task": asdict(node.topo.task), "learner": asdict(node.topo.learner)}
@@ -359,6 +365,7 @@ async def open_trainer(node: Node, store: Path | None, learner: Learner | None =
     # the task's stream, past every prompt id the journal has seen (skipped here, in a thread, not at the first want)
     stream = await in_thread(_past, task.prompts(learner.seed), replayed.next_id)
     prompts = (replace(p, tokens=learner.tokenize(p)) for p in stream)
+    engine = node.topo.engine or EngineSpec()
     rules = ResultRules(vocab_size=learner.vocab_size, max_new_tokens=engine.max_new_tokens)
     node.pool = WorkPool(
         settings,

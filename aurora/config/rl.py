@@ -378,8 +378,24 @@ class GrpoSpec:
     seed: int = 0
     eval: EvalSpec = field(default_factory=EvalSpec)
     """Held-out evaluation (off by default)."""
+    ranks: int = 1
+    """Processes the learner runs as (torch.distributed: gloo on CPUs, NCCL on GPUs), the model sharded
+    over them with FSDP2; the trainer node starts them under torch's launcher (``aurora.rl.learners.ranks``)."""
+    restarts: int = 3
+    """With ``ranks`` > 1: how often torch's launcher starts every rank again after one fails (the trainer
+    then resumes from its store and newest checkpoint)."""
 
     def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ConfigError("must be >= 1", path="ranks")
+        if self.restarts < 0:
+            raise ConfigError("must be >= 0", path="restarts")
+        if self.ranks > 1 and self.kl_coef > 0:
+            raise ConfigError(
+                "a KL term (kl_coef > 0) needs a reference model, which a sharded learner does not keep yet: "
+                "use ranks 1, or kl_coef 0",
+                path="ranks",
+            )
         for name in ("group_size", "prompts_per_step", "epochs", "warm_start_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError("must be >= 1", path=name)

@@ -218,6 +218,9 @@ class GrpoLearner:
 
     def initial(self) -> Weights:
         self.ranks.command("initial")
+        return self._initial()
+
+    def _initial(self) -> Weights:
         if self.spec.warm_start_steps:
             self._warm_start()
         self._set_reference()
@@ -420,10 +423,9 @@ class GrpoLearner:
         """A follower rank (not rank 0): run rank 0's commands until it stops (`Ranks.follow`)."""
         self.ranks.follow(
             {
-                "initial": self.initial,
+                "initial": self._initial,
                 "restore": lambda version, ckpt: self._restore(version, ckpt),
                 "advance": self._advance,
-                "checkpoint": self.save_checkpoint,
             }
         )
 
@@ -571,4 +573,5 @@ def make(context: LearnerContext) -> GrpoLearner:
         checkpoint_dir=context.checkpoint_dir,
         chat=context.chat,
         max_new_tokens=context.max_new_tokens,
+        ranks=Ranks.join(context.spec.ranks),
     )

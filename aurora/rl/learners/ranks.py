@@ -43,6 +43,23 @@ WAIT = datetime.timedelta(days=7)
 """How long a collective may wait: a follower waits between steps for as long as rank 0 takes."""
 
 
+def rank_here() -> int | None:
+    """This process's rank under torch's launcher (None: not under it)."""
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
+
+
+def launch_argv(ranks: int, restarts: int, args: Sequence[str]) -> list[str]:
+    """The command that runs ``aurora ARGS`` as ``ranks`` processes under torch's launcher
+    (``torch.distributed.run``, by `aurora.rl.learners.launch`; standalone: its rendezvous on a free local
+    port), every rank started
+    again up to ``restarts`` times after one fails."""
+    import sys
+
+    launcher = [sys.executable, "-m", "aurora.rl.learners.launch", "--standalone", f"--nproc-per-node={ranks}"]
+    return [*launcher, f"--max-restarts={restarts}", "-m", "aurora", *args]
+
+
 class Ranks:
     """The job's ranks (module docstring)."""
 
