@@ -292,3 +292,27 @@ def test_a_tensor_parallel_engine_is_refused_where_it_cannot_run(
     with pytest.raises(ConfigError, match=why) as e:
         load_topology(f)
     assert e.value.path == "engine.tensor_parallel"
+
+
+@pytest.mark.parametrize(
+    ("learner", "why", "path"),
+    [
+        ({"kind": "grpo", "ranks": 0}, "must be >= 1", "learner.ranks"),
+        ({"kind": "grpo", "ranks": 2, "restarts": -1}, "must be >= 0", "learner.restarts"),
+        (
+            {"kind": "grpo", "ranks": 2, "kl_coef": 0.1},
+            "a KL term (kl_coef > 0) needs a reference model",
+            "learner.ranks",
+        ),
+    ],
+)
+def test_a_sharded_learner_is_refused_where_it_cannot_run(
+    tmp_path: Path, learner: dict[str, object], why: str, path: str
+) -> None:
+    d = _base()
+    d["learner"] = learner
+    f = tmp_path / "ranks.yaml"
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match=re.escape(why)) as e:
+        load_topology(f)
+    assert e.value.path == path

@@ -185,9 +185,19 @@ class GrpoLearner:
 
     # -- versions
     def weights(self) -> Weights:
-        """The bf16 cast of the master weights: the next version (gathered from every rank: each must
-        call this; a follower gets the version too, and drops it). Raises `LearnerError` rather than
+        """The bf16 cast of the master weights: the next version. Raises `LearnerError` rather than
         return one with a non-finite value."""
+        self.ranks.command("weights")
+        return self._weights()
+
+    def master(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights, whole (tests, diagnostics)."""
+        self.ranks.command("master")
+        return {n: t.detach().clone() for n, t in self.ranks.full(self.params).items()}
+
+    def _weights(self) -> Weights:
+        """`weights` on every rank at once (the version is gathered from every rank's shards; a follower
+        gets it too, and drops it)."""
         self._made = True
         self._published = bf16_weights(self.ranks.full(self.params), f"version {self.version}")
         return self._published
@@ -225,7 +235,7 @@ class GrpoLearner:
             self._warm_start()
         self._set_reference()
         self.version = 0
-        return self.weights()
+        return self._weights()
 
     def restore(self, weights: Weights, version: int) -> None:
         """Continue after ``version`` (the store's latest): from the newest checkpoint at or before it,
@@ -417,7 +427,7 @@ class GrpoLearner:
             self.save_checkpoint(self.version)
         if train.stepped == 0 and self._made:
             return train, self._published  # nothing trained: the same version, every tensor the very same array
-        return train, self.weights()
+        return train, self._weights()
 
     def follow(self) -> None:
         """A follower rank (not rank 0): run rank 0's commands until it stops (`Ranks.follow`)."""
@@ -426,6 +436,8 @@ class GrpoLearner:
                 "initial": self._initial,
                 "restore": lambda version, ckpt: self._restore(version, ckpt),
                 "advance": self._advance,
+                "weights": self._weights,
+                "master": lambda: self.ranks.full(self.params),
             }
         )
 
