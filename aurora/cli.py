@@ -60,7 +60,7 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl,leases}")
+    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl,leases,trainer}")
     c = bs.add_parser(
         "codec",
         help="delta sizes vs published designs, and codec throughput",
@@ -191,6 +191,27 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
     r.add_argument("--warmup", type=int, default=5, help="first steps not timed (default 5)")
     r.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    tr = bs.add_parser(
+        "trainer",
+        help="the GRPO learner on 1, 2, ... ranks side by side: step time, making a version, memory per rank",
+        description="For each rank count, a job of that many ranks under torch's launcher (gloo on CPUs, "
+        "NCCL on GPUs; the CPUs divided evenly among the ranks) takes the same RL steps on the same "
+        "work with the model sharded by FSDP2. Prints the median step time, the median time to make "
+        "a version (gathered from the shards and cast to bf16 on the learner, then its delta encoded "
+        "and its digest taken), the bytes one rank holds of the master weights, gradients and AdamW "
+        "state, and rank 0's peak resident memory, each with its ratio to the first rank count.",
+    )
+    tr.add_argument(
+        "--model",
+        type=Path,
+        default=Path("runs/models/smollm2-135m-instruct"),
+        help="a model directory (default runs/models/smollm2-135m-instruct, fetched there if missing)",
+    )
+    tr.add_argument("--ranks", default="1,2", help="rank counts, comma-separated (default 1,2)")
+    tr.add_argument("--steps", type=int, default=4, help="RL steps per job; the first is not counted (default 4)")
+    tr.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    tr.add_argument("--group", type=int, default=4, help="samples per prompt (default 4)")
+    tr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH (one row per rank count)")
 
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -859,6 +880,31 @@ def cmd_bench_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_trainer(args: argparse.Namespace) -> int:
+    from aurora.bench.trainer import bench, render, to_json
+
+    try:
+        ranks = [int(x) for x in args.ranks.split(",")]
+    except ValueError:
+        raise AuroraError(f"--ranks must be whole numbers separated by commas, not {args.ranks!r}") from None
+    if not ranks or min(ranks) < 1:
+        raise AuroraError(f"--ranks must be at least 1 each, not {args.ranks!r}")
+    if args.steps < 2:
+        raise AuroraError(f"--steps must be at least 2 (the first is not counted), not {args.steps}")
+    if not (args.model / "config.json").is_file():
+        if args.model != Path("runs/models/smollm2-135m-instruct"):
+            raise AuroraError(f"--model {args.model}: no config.json there (a Hugging Face model directory)")
+        from aurora.rl.fetch import fetch_model
+
+        print(f"fetching smollm2-135m-instruct into {args.model}", flush=True)
+        fetch_model("smollm2-135m-instruct", args.model, cache_dir=_default_cache())
+    rows = bench(args.model, ranks, steps=args.steps, prompts=args.prompts, group=args.group, progress=print)
+    print(render(rows))
+    if args.json:
+        _write_json(args.json, to_json(rows))
+    return 0
+
+
 def cmd_topology_check(args: argparse.Namespace) -> int:
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
@@ -1277,6 +1323,7 @@ COMMANDS = {
     ("bench", "transport"): cmd_bench_transport,
     ("bench", "sync"): cmd_bench_sync,
     ("bench", "rl"): cmd_bench_rl,
+    ("bench", "trainer"): cmd_bench_trainer,
     ("bench", "leases"): cmd_bench_leases,
     ("model", "init"): cmd_model_init,
     ("model", "fetch"): cmd_model_fetch,

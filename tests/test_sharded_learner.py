@@ -1,5 +1,5 @@
 """The GRPO learner sharded over ranks (`aurora.rl.learners.ranks`): real torch.distributed jobs (gloo)
-started by torch's launcher on the tiny model (`aurora.testing.sharded`). Two ranks train as one does
+started by torch's launcher on the tiny model (`aurora.bench.trainer_job`). Two ranks train as one does
 (the same steps on the same work; only the order of gradient sums differs), hold about half the
 state each, and write checkpoints that any number of ranks resumes bit for bit; in the slow layer,
 an `aurora run` whose trainer has two ranks, one SIGKILLed mid-run: torch's launcher starts the job
@@ -36,7 +36,7 @@ def _job(ranks: int, model: Path, out: Path, *extra: str) -> dict[str, Any]:
     """One job of ``ranks`` ranks under torch's launcher; its report (rank 0's)."""
     report = out.with_suffix(".json")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    argv += ["-m", "aurora.testing.sharded", "--model", str(model), "--report", str(report), "--weights", str(out)]
+    argv += ["-m", "aurora.bench.trainer_job", "--model", str(model), "--report", str(report), "--weights", str(out)]
     r = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return dict(json.loads(report.read_text()))
@@ -74,7 +74,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_its_directory(tiny: Path,
     _job(1, tiny, tmp_path / "one.safetensors", "--steps", "1", "--checkpoints", str(tmp_path / "ck"))
     other = init_model_dir(tmp_path / "small", "small", seed=3)
     report = tmp_path / "r.json"
-    argv = [sys.executable, "-m", "aurora.testing.sharded", "--model", str(other), "--report", str(report)]
+    argv = [sys.executable, "-m", "aurora.bench.trainer_job", "--model", str(other), "--report", str(report)]
     r = subprocess.run(
         [*argv, "--steps", "0", "--resume", "1", "--checkpoints", str(tmp_path / "ck"), "--warm-start", "0"],
         capture_output=True,

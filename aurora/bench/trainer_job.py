@@ -1,5 +1,5 @@
-"""A sharded GRPO learner's job on fixed work, for tests and `aurora bench trainer`: run under torch's
-launcher (``python -m torch.distributed.run --nproc-per-node N -m aurora.testing.sharded ...``) or as
+"""A sharded GRPO learner's job on fixed work, for `aurora bench trainer` and the tests: run under torch's
+launcher (``python -m torch.distributed.run --nproc-per-node N -m aurora.bench.trainer_job ...``) or as
 one process.
 
 It builds the GRPO learner (``ranks`` from the launcher's environment), makes version 0 (after a
