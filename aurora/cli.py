@@ -211,6 +211,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tr.add_argument("--steps", type=int, default=4, help="RL steps per job; the first is not counted (default 4)")
     tr.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     tr.add_argument("--group", type=int, default=4, help="samples per prompt (default 4)")
+    tr.add_argument("--lr", type=float, default=2e-5, help="the learning rate (default 2e-5, the main job's)")
     tr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH (one row per rank count)")
 
 
@@ -898,7 +899,9 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
 
         print(f"fetching smollm2-135m-instruct into {args.model}", flush=True)
         fetch_model("smollm2-135m-instruct", args.model, cache_dir=_default_cache())
-    rows = bench(args.model, ranks, steps=args.steps, prompts=args.prompts, group=args.group, progress=print)
+    rows = bench(
+        args.model, ranks, steps=args.steps, prompts=args.prompts, group=args.group, lr=args.lr, progress=print
+    )
     print(render(rows))
     if args.json:
         _write_json(args.json, to_json(rows))

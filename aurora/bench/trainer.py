@@ -36,15 +36,21 @@ class Row:
     peak_rss_bytes: int
     """Rank 0's peak resident memory."""
     delta_bytes: float
+    changed: float
+    """The fraction of elements a step changed (the published bf16 version's)."""
+    cast_s: float
+    encode_s: float
+    digest_s: float
 
 
-def job(ranks: int, model: Path, steps: int, prompts: int, group: int, threads: int) -> dict[str, Any]:
+def job(ranks: int, model: Path, steps: int, prompts: int, group: int, threads: int, lr: float) -> dict[str, Any]:
     """One job's report (rank 0's): ``ranks`` ranks under torch's launcher, ``threads`` CPU threads each."""
     with tempfile.TemporaryDirectory(prefix="aurora-bench-trainer-") as tmp:
         report = Path(tmp) / "report.json"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
         argv += ["-m", "aurora.bench.trainer_job", "--model", str(model), "--report", str(report)]
         argv += ["--steps", str(steps), "--prompts", str(prompts), "--group", str(group), "--warm-start", "0"]
+        argv += ["--lr", str(lr), "--max-positions", "512"]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         r = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
         if r.returncode != 0:
@@ -59,6 +65,7 @@ def bench(
     steps: int = 4,
     prompts: int = 8,
     group: int = 4,
+    lr: float = 2e-5,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[Row]:
     cpus = len(os.sched_getaffinity(0))
@@ -66,7 +73,7 @@ def bench(
     for n in ranks:
         threads = max(1, cpus // n)
         progress(f"{n} rank(s), {threads} thread(s) each: {steps} steps of {prompts} prompts x {group} samples")
-        rep = job(n, model, steps, prompts, group, threads)
+        rep = job(n, model, steps, prompts, group, threads, lr)
         later = rep["steps"][1:] or rep["steps"]
         rows.append(
             Row(
@@ -77,6 +84,10 @@ def bench(
                 peak_mem_bytes_per_rank=int(rep["state_bytes_rank0"]),
                 peak_rss_bytes=int(rep["peak_rss_bytes_rank0"] or 0),
                 delta_bytes=statistics.median(s["delta_bytes"] for s in later),
+                changed=statistics.median(s["changed"] for s in later),
+                cast_s=statistics.median(s["cast_s"] for s in later),
+                encode_s=statistics.median(s["encode_s"] for s in later),
+                digest_s=statistics.median(s["digest_s"] for s in later),
             )
         )
     return rows
@@ -92,6 +103,11 @@ def render(rows: Sequence[Row]) -> str:
             f"{r.peak_mem_bytes_per_rank / 2**20:>13.1f}  {r.peak_mem_bytes_per_rank / base.peak_mem_bytes_per_rank:>5.2f}  "
             f"{r.peak_rss_bytes / 2**20:>18.0f}"
         )
+        for r in rows
+    ]
+    lines += [
+        f"{r.ranks} rank(s): making a version = gather + cast {r.cast_s:.3f} s, encode {r.encode_s:.3f} s, "
+        f"digest {r.digest_s:.3f} s; delta {r.delta_bytes / 1e6:.2f} MB, {100 * r.changed:.2f} % changed"
         for r in rows
     ]
     lines.append(

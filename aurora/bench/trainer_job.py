@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--warm-start", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-positions", type=int, default=256)
     ap.add_argument("--checkpoints", type=Path, default=None, help="checkpoint after every step here")
     ap.add_argument("--resume", type=int, default=None, help="resume from this version's checkpoint")
@@ -82,7 +83,7 @@ def main() -> None:
     spec = GrpoSpec(
         group_size=args.group,
         prompts_per_step=args.prompts,
-        lr=1e-3,
+        lr=args.lr,
         warm_start_steps=args.warm_start,
         warm_start_batch=8,
         checkpoint_every=1 if args.checkpoints else 0,
@@ -108,10 +109,22 @@ def main() -> None:
         version = learner.step(work)
         t1 = time.perf_counter()
         made = learner.weights()  # the version made again, timed on its own: gather, cast
-        delta = encode(before, made, base_version=i, target_version=i + 1)
-        made.digest()
         t2 = time.perf_counter()
-        steps.append({"step_s": t1 - t0, "make_version_s": t2 - t1, "delta_bytes": float(delta.nbytes)})
+        delta = encode(before, made, base_version=i, target_version=i + 1)
+        t3 = time.perf_counter()
+        made.digest()
+        t4 = time.perf_counter()
+        steps.append(
+            {
+                "step_s": t1 - t0,
+                "make_version_s": t4 - t1,
+                "cast_s": t2 - t1,
+                "encode_s": t3 - t2,
+                "digest_s": t4 - t3,
+                "delta_bytes": float(delta.nbytes),
+                "changed": delta.stats.changed / max(1, delta.stats.elements),
+            }
+        )
     report = {
         "ranks": ranks.size,
         "steps": steps,
