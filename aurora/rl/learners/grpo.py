@@ -156,6 +156,10 @@ class GrpoLearner:
         self.ranks = ranks or Ranks.single()
         torch.manual_seed(spec.seed)
         self.model = build_model(model).float().train()
+        self.device = self.ranks.device
+        """Where the learner computes: a GPU of its own where there is one (then in bf16, the master
+        weights fp32), else the CPU."""
+        self.model.to(self.device)
         self.ranks.shard(self.model)  # one rank: as built
         self.params = dict(self.model.named_parameters())
         self.opt = self._optimizer()
@@ -369,6 +373,13 @@ class GrpoLearner:
         targets = torch.zeros((n, keep))
         for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
             targets[i, keep - (len(s) - start) :] = 1.0
+        if self.device.type != "cpu":
+            d = self.device
+            stages = [
+                _Stage(st.ids.to(d), None if st.parents is None else st.parents.to(d), st.mask.to(d), st.pos.to(d))
+                for st in stages
+            ]
+            targets = targets.to(d)
         return _Packed(tuple(stages), targets)
 
     # -- RL step
@@ -464,7 +475,7 @@ class GrpoLearner:
         old = torch.zeros_like(targets)
         for i, (_, _, _, lps) in enumerate(rows):
             old[i, targets.shape[1] - len(lps) :] = torch.tensor(lps)
-        adv = torch.tensor([a for _, _, a, _ in rows])[:, None]
+        adv = torch.tensor([a for _, _, a, _ in rows], device=self.device)[:, None]
         ref_logp = self._logp(self.ref, packed).detach() if self.ref is not None else None
         out = _Trained()
         for _ in range(self.spec.epochs):
@@ -507,14 +518,15 @@ class GrpoLearner:
             if past is not None and st.parents is not None:
                 past.batch_select_indices(st.parents)
             last = st is p.stages[-1]
-            out = model(
-                input_ids=st.ids,
-                attention_mask=st.mask,
-                position_ids=st.pos,
-                past_key_values=past,
-                use_cache=not last or past is not None,
-                logits_to_keep=keep + 1 if last else 1,
-            )
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):  # GPUs: bf16 compute
+                out = model(
+                    input_ids=st.ids,
+                    attention_mask=st.mask,
+                    position_ids=st.pos,
+                    past_key_values=past,
+                    use_cache=not last or past is not None,
+                    logits_to_keep=keep + 1 if last else 1,
+                )
             past = out.past_key_values
         logits = out.logits[:, :-1].float() / (self.temperature if temperature is None else temperature)
         return torch.log_softmax(logits, -1).gather(-1, p.stages[-1].ids[:, -keep:, None])[..., 0]

@@ -96,8 +96,9 @@ class Ranks:
 
     @property
     def device(self) -> torch.device:
-        if self.size > 1 and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+        """This rank's GPU (the launcher's ``LOCAL_RANK``-th) where there is one, else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device() if self.size > 1 else 0)
         return torch.device("cpu")
 
     # -- the model
