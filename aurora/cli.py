@@ -60,7 +60,9 @@ def _add_delta(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run benchmarks (they measure and print)", description="Benchmarks.")
-    bs = p.add_subparsers(dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl,leases,trainer}")
+    bs = p.add_subparsers(
+        dest="bench_cmd", required=True, metavar="{codec,actors,transport,sync,rl,leases,trainer,gpu}"
+    )
     c = bs.add_parser(
         "codec",
         help="delta sizes vs published designs, and codec throughput",
@@ -213,6 +215,19 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tr.add_argument("--group", type=int, default=4, help="samples per prompt (default 4)")
     tr.add_argument("--lr", type=float, default=2e-5, help="the learning rate (default 2e-5, the main job's)")
     tr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH (one row per rank count)")
+    gp = bs.add_parser(
+        "gpu",
+        help="every GPU path in one command, one table (about 10 minutes on one H100)",
+        description="Run, each in a process of its own with a time limit: the codec's device path "
+        "(bench codec --scale --device cuda, 256M and 1G elements), vLLM with Aurora's weight-transfer "
+        "backend (the engine tests on the tiny model: in-process, on a vllm serve, tensor-parallel "
+        "with 2 GPUs), the sharded GRPO learner on NCCL (bench trainer on SmolLM2-135M: 1 rank, and 2 "
+        "with 2 GPUs) and a short RL run (a trainer and one vLLM rollout on the tiny model). Prints one "
+        "table: each check's result, seconds and figures. Run it from a checkout. Without a CUDA "
+        "device every check says so and none is run.",
+    )
+    gp.add_argument("--only", help="checks to run, comma-separated (codec,vllm,trainer,rl; default all)")
+    gp.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -908,6 +923,22 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> int:
+    import json
+
+    from aurora.bench.gpu import CHECKS, bench, render
+
+    only = [x for x in args.only.split(",") if x] if args.only else None
+    unknown = sorted(set(only or []) - set(CHECKS))
+    if unknown:
+        raise AuroraError(f"--only: no check {', '.join(unknown)} (checks: {', '.join(CHECKS)})")
+    r = bench(only, progress=lambda t: print(t, flush=True))
+    print(render(r))
+    if args.json:
+        _write_json(args.json, json.dumps(r, indent=2))
+    return 0 if all(c["ok"] is not False for c in r["checks"]) else 1
+
+
 def cmd_topology_check(args: argparse.Namespace) -> int:
     from aurora.config.plan import plan
     from aurora.config.topology import load_topology
@@ -1327,6 +1358,7 @@ COMMANDS = {
     ("bench", "sync"): cmd_bench_sync,
     ("bench", "rl"): cmd_bench_rl,
     ("bench", "trainer"): cmd_bench_trainer,
+    ("bench", "gpu"): cmd_bench_gpu,
     ("bench", "leases"): cmd_bench_leases,
     ("model", "init"): cmd_model_init,
     ("model", "fetch"): cmd_model_fetch,
