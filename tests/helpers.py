@@ -103,6 +103,29 @@ run: {{steps: {steps}}}
     return topo
 
 
+def one_rollout_topology(tmp_path: Path, *, learner: str, engine: str, steps: int, model: str = "") -> Path:
+    """A trainer and one rollout under it on loopback learning single-digit addition (``learner`` and
+    ``engine``: the sections' YAML mappings; ``model``: the model section, default the tiny preset
+    built in ``tmp_path/model``)."""
+    topo = tmp_path / "one-rollout.yaml"
+    topo.write_text(f"""
+name: one-rollout
+regions: [{{name: local}}]
+nodes:
+  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{free_ports(1)[0]}"}}
+  - {{name: rollout-1, role: rollout, region: local, parent: trainer}}
+heartbeat: {{interval_s: 0.5, suspect_after_s: 1.5, lost_after_s: 3.0}}
+leases: {{ttl_s: 10.0, prompts_per_lease: 8, batch_s: 1.0}}
+staleness: {{max_versions: 1}}
+model: {model or "{path: model, preset: tiny, seed: 0}"}
+task: {{kind: arithmetic, max_operand: 9}}
+learner: {learner}
+engine: {engine}
+run: {{steps: {steps}}}
+""")
+    return topo
+
+
 async def run_in_process(
     tmp_path: Path,
     topology: str,

@@ -24,27 +24,17 @@ from aurora.rl.learners.synthetic import SyntheticLearner
 from aurora.rl.model import init_model_dir
 from aurora.rl.types import Prompt
 from aurora.runtime.processes import end_group, start_group
-from tests.helpers import free_ports
+from tests.helpers import free_ports, one_rollout_topology
 from tests.test_engine_async import _delta
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-TOPOLOGY = """
-name: served
-regions: [{{name: local}}]
-nodes:
-  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{trainer}"}}
-  - {{name: rollout-1, role: rollout, region: local, parent: trainer}}
-heartbeat: {{interval_s: 0.5, suspect_after_s: 1.5, lost_after_s: 3.0}}
-leases: {{ttl_s: 10.0, prompts_per_lease: 8, batch_s: 1.0}}
-staleness: {{max_versions: 1}}
-model: {{path: model, preset: tiny, seed: 0}}
-task: {{kind: arithmetic, max_operand: 9}}
-learner: {{kind: grpo, group_size: 8, prompts_per_step: 32, lr: 1.0e-3, warm_start_steps: 20}}
-engine: {{kind: vllm, max_new_tokens: 5, temperature: 1.0, serve: {{url: "http://127.0.0.1:{serve}"{launch}}}}}
-run: {{steps: 6}}
-keys: {{dir: keys}}
-"""
+LEARNER = "{kind: grpo, group_size: 8, prompts_per_step: 32, lr: 1.0e-3, warm_start_steps: 20}"
+
+
+def _topology(tmp: Path, serve: str, model: str = "") -> Path:
+    engine = f"{{kind: vllm, max_new_tokens: 5, temperature: 1.0, serve: {serve}}}"
+    return one_rollout_topology(tmp, learner=LEARNER, engine=engine, steps=6, model=model)
 
 
 def _events(log: Path, event: str) -> list[dict[str, object]]:
@@ -59,9 +49,8 @@ def _events(log: Path, event: str) -> list[dict[str, object]]:
 
 @pytest.mark.timeout(600)
 def test_a_rollout_generates_on_the_vllm_serve_it_launches_and_stops(tmp_path: Path) -> None:
-    trainer, serve = free_ports(2)
-    topo = tmp_path / "served.yaml"
-    topo.write_text(TOPOLOGY.format(trainer=trainer, serve=serve, launch=""))
+    (serve,) = free_ports(1)
+    topo = _topology(tmp_path, f'{{url: "http://127.0.0.1:{serve}"}}')
     check = subprocess.run(
         [sys.executable, "-m", "aurora", "topology", "check", str(topo)], capture_output=True, text=True
     )
@@ -105,12 +94,7 @@ def test_a_rollout_feeds_a_vllm_serve_its_user_started_while_others_use_its_api(
         seed=5,
         serve=ServeSpec(url=f"http://127.0.0.1:{port}", launch=False),
     )
-    topo = tmp_path / "t.yaml"
-    topo.write_text(
-        TOPOLOGY.format(trainer=free_ports(1)[0], serve=port, launch=", launch: false").replace(
-            "{path: model, preset: tiny, seed: 0}", f"{{path: {model.path}}}"
-        )
-    )
+    topo = _topology(tmp_path, f'{{url: "http://127.0.0.1:{port}", launch: false}}', f"{{path: {model.path}}}")
     check = subprocess.run(
         [sys.executable, "-m", "aurora", "topology", "check", str(topo)], capture_output=True, text=True
     )

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from aurora.events import TRAINER_RESUMED
 from aurora.rl.model import init_model_dir
-from tests.helpers import free_ports
+from tests.helpers import one_rollout_topology
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +86,8 @@ def test_a_checkpoint_of_another_model_is_refused_with_its_directory(tiny: Path,
     assert not report.exists()
 
 
-TOPOLOGY = """
-name: ranks
-regions: [{{name: local}}]
-nodes:
-  - {{name: trainer, role: trainer, region: local, listen: "tcp://127.0.0.1:{port}"}}
-  - {{name: rollout-1, role: rollout, region: local, parent: trainer}}
-heartbeat: {{interval_s: 0.5, suspect_after_s: 1.5, lost_after_s: 3.0}}
-leases: {{ttl_s: 10.0, prompts_per_lease: 8, batch_s: 1.0}}
-staleness: {{max_versions: 1}}
-model: {{path: model, preset: tiny, seed: 0}}
-task: {{kind: arithmetic, max_operand: 9}}
-learner: {{kind: grpo, group_size: 8, prompts_per_step: 16, lr: 1.0e-3, warm_start_steps: 20, checkpoint_every: 2,
-  ranks: 2, restarts: 2, skip_flat_groups: false}}
-engine: {{kind: torch, max_new_tokens: 5, temperature: 1.0}}
-run: {{steps: 14}}
-"""
+LEARNER = """{kind: grpo, group_size: 8, prompts_per_step: 16, lr: 1.0e-3, warm_start_steps: 20, checkpoint_every: 2,
+  ranks: 2, restarts: 2, skip_flat_groups: false}"""
 
 
 def _rank(launcher: psutil.Process, rank: int) -> psutil.Process | None:
@@ -117,9 +103,8 @@ def _rank(launcher: psutil.Process, rank: int) -> psutil.Process | None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_killed_mid_run_restarts_the_job_and_the_trainer_resumes(tmp_path: Path) -> None:
-    (port,) = free_ports(1)
-    topo = tmp_path / "ranks.yaml"
-    topo.write_text(TOPOLOGY.format(port=port))
+    engine = "{kind: torch, max_new_tokens: 5, temperature: 1.0}"
+    topo = one_rollout_topology(tmp_path, learner=LEARNER, engine=engine, steps=14)
     state = tmp_path / "state"
     run = subprocess.Popen(
         [sys.executable, "-m", "aurora", "run", str(topo), "--state", str(state)],
