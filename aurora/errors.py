@@ -30,6 +30,10 @@ class DeltaFormatError(AuroraError):
     """A delta, manifest or chunk is malformed, corrupt, or does not fit the base."""
 
 
+class EngineError(AuroraError):
+    """A rollout's engine answered what it cannot have (a ``vllm serve`` that is broken or not ours)."""
+
+
 class FetchError(AuroraError):
     """A known model could not be fetched: unknown name, download failed, checksum mismatch, or unwritable
     destination."""

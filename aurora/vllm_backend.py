@@ -359,6 +359,20 @@ class AuroraWorkerExtension:
     def aurora_digests(self, path: str) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
         return dict(self._aurora().digests(path))
 
+    def aurora_settings(self) -> dict[str, Any]:
+        """What the results' meaning depends on, as this vLLM was started (a ``vllm serve`` started by hand
+        is checked against the engine's settings with it)."""
+        config: Any = getattr(self, "vllm_config")  # noqa: B009 - the worker's, set by vLLM
+        model, cache = config.model_config, config.cache_config
+        return {
+            "logprobs_mode": str(model.logprobs_mode),
+            "prefix_caching": bool(cache.enable_prefix_caching),
+            "dtype": str(model.dtype),
+            "seed": model.seed,
+            "max_model_len": int(model.max_model_len),
+            "tensor_parallel": int(config.parallel_config.tensor_parallel_size),
+        }
+
     def aurora_digests_hex(self, path: str) -> dict[str, tuple[str, list[int], str]]:
         """`aurora_digests` as JSON can carry it (a ``vllm serve``'s ``/collective_rpc``): digests in hex."""
         return {n: (dt, list(shape), d.hex()) for n, (dt, shape, d) in self._aurora().digests(path).items()}

@@ -257,6 +257,8 @@ def test_a_rollout_may_run_its_own_engine_judged_as_the_topologys(
         ({"url": "http://10.1.2.3:8000"}, "vllm", "must listen on 127.0.0.1 or ::1", "engine.serve.url"),
         ({"url": "https://127.0.0.1:8000"}, "vllm", "must be http://HOST:PORT", "engine.serve.url"),
         ({"url": "http://127.0.0.1"}, "vllm", "must be http://HOST:PORT", "engine.serve.url"),
+        ({"url": "http://127.0.0.1:0"}, "vllm", "must be http://HOST:PORT", "engine.serve.url"),
+        ({"url": "http://127.0.0.1:8000?x=1"}, "vllm", "must be http://HOST:PORT", "engine.serve.url"),
         ({"url": "http://127.0.0.1:8000", "start_timeout_s": 0}, "vllm", "must be > 0", "engine.serve.start_timeout_s"),
         ({"url": "http://127.0.0.1:8000"}, "torch", "only a continuous vllm engine", "engine.serve"),
     ],

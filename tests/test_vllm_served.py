@@ -5,6 +5,7 @@ increasing, inside the sample). The server itself is tested in tests/test_served
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgspec
@@ -75,3 +76,52 @@ def test_the_server_is_started_with_the_backend_and_the_engines_settings() -> No
     assert flags("--worker-extension-cls") == "aurora.vllm_backend.AuroraWorkerExtension"
     assert "--no-enable-prefix-caching" in argv  # keep: no new request reuses KV of an older version
     assert "--enable-scale-out" in argv  # the token-in-token-out generate endpoint
+
+
+def _answer(n: int, tokens: int, tag: str = "3:1") -> dict[str, object]:
+    content = [{"token_id": 5, "logprob": -0.25, "rank": 1, "top_logprobs": [{"token_id": 5, "logprob": -0.25}]}]
+    choice = {
+        "index": 0,
+        "token_ids": [5] * tokens,
+        "logprobs": {"content": content * tokens},
+        "weight_versions": [{"version": tag, "start": 0, "end": tokens}],
+    }
+    return {"choices": [choice] * n}
+
+
+@pytest.mark.parametrize(("tag", "ok"), [("3:1", True), ("default", False), ("3:1:2", False)])
+def test_a_long_answer_is_read_whole_and_a_strange_tag_refused(tag: str, ok: bool) -> None:
+    """A real HTTP server on loopback answers the generate call (8 samples of 4000 tokens: about 3 MB)."""
+    from aiohttp import ClientSession, web
+
+    from aurora.rl.engines.vllm_served import ServedVllm
+
+    async def go() -> None:
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.json()
+            assert body["token_ids"] == [1, 2]
+            return web.json_response(_answer(8, 4000, tag))
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        spec = EngineSpec(kind="vllm", model=ModelSpec(path="/m"), serve=ServeSpec(url=f"http://127.0.0.1:{port}"))
+        client = ServedVllm(spec, "/m")
+        client._session = ClientSession()
+        try:
+            if ok:
+                made = await client.generate([1, 2], {"n": 8, "max_tokens": 4000})
+                assert len(made) == 8
+                assert all(len(toks) == len(lps) == 4000 for toks, lps, _ in made)
+            else:
+                with pytest.raises(EngineServerError, match="a weight-version tag this engine never set"):
+                    await client.generate([1, 2], {"n": 8, "max_tokens": 4000})
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(go())

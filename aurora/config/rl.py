@@ -201,7 +201,7 @@ class ServeSpec:
     and its weight-update endpoints have no authentication)."""
     launch: bool = True
     """The rollout starts it (with Aurora's backend and the engine's settings) and stops it; False: it is
-    started by you (``aurora engine serve-args`` prints how) and the rollout waits for it."""
+    started by you (``aurora topology check`` prints the command) and the rollout waits for it."""
     start_timeout_s: float = 600.0
     """How long the rollout waits for it to answer ``/health``."""
 
@@ -213,7 +213,15 @@ class ServeSpec:
             port = u.port
         except ValueError as e:
             raise ConfigError(f"{self.url!r} is not a URL ({e})", path="url") from None
-        if u.scheme != "http" or u.hostname is None or port is None or u.path not in ("", "/"):
+        if (
+            u.scheme != "http"
+            or u.hostname is None
+            or not port
+            or u.path not in ("", "/")
+            or u.query
+            or u.fragment
+            or u.username is not None
+        ):
             raise ConfigError(f"must be http://HOST:PORT, not {self.url!r}", path="url")
         if u.hostname not in LOOPBACK:
             raise ConfigError(

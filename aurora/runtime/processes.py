@@ -41,31 +41,32 @@ def start_group(argv: Sequence[str], **popen: Any) -> Process:
     return p
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
-    """Linux's PR_SET_PDEATHSIG: SIGTERM to this process when the thread that started it ends."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
 def start_child(argv: Sequence[str], **popen: Any) -> Process:
-    """Start ``argv`` as a helper of this process (a node's ``vllm serve``): in this process's group, so
-    it ends with it where the group is ended, and sent SIGTERM by the kernel if this process dies first
-    (a SIGKILL included; on Linux). Start it from the event loop's thread: the signal follows the
-    thread that started it."""
-    p: Process = subprocess.Popen(list(argv), preexec_fn=_die_with_parent if sys.platform == "linux" else None, **popen)
+    """Start ``argv`` as a helper of this process (a node's ``vllm serve``), the leader of a process group
+    of its own (so that `end_child` ends what it starts too), sent SIGTERM by the kernel if this process
+    dies first (a SIGKILL included; on Linux). Start it from the event loop's thread: the signal follows
+    the thread that started it."""
+    parent = os.getpid()
+    prctl = None
+    if sys.platform == "linux":
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: nothing is loaded after the fork
+
+    def die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before that took effect
+                os._exit(1)
+
+    p: Process = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent, **popen)
     return p
 
 
 def end_child(p: Process, *, grace_s: float = 0.0) -> None:
-    """End a helper `start_child` started: SIGTERM, SIGKILL if it still runs ``grace_s`` later; reaped."""
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    p.wait()
+    """End a helper `start_child` started, and what it started: SIGTERM to its group, SIGKILL to the group
+    if it still runs ``grace_s`` later; reaped."""
+    end_group(p, grace_s=grace_s, close_pipes=False)
 
 
 def _signal_group(p: Process, sig: signal.Signals) -> None:

@@ -57,7 +57,7 @@ import structlog
 
 from aurora import vllm_backend
 from aurora.config.rl import EngineSpec
-from aurora.errors import ConfigError, DeltaFormatError
+from aurora.errors import ConfigError, DeltaFormatError, EngineError
 from aurora.events import ENGINE_CHECKED
 from aurora.rl.engines.base import WeightUpdate, prompt_ids
 from aurora.rl.engines.vllm_engine import Entry, Staged, Stager, _vllm_start, sampled, sampling_fields
@@ -221,6 +221,8 @@ class AsyncVllmEngine:
         self.stager: Stager | None = None
         self._tag = ""
         self._checks: dict[int, asyncio.Future[bool]] = {}
+        self._loaded: dict[int, int] = {}
+        """Load serial -> the version it loaded (a sample's labels must name one of these)."""
         """Load serial -> its check: True passed, False failed (its results are dropped)."""
         self._last_check: asyncio.Task[None] | None = None
         self._switch = asyncio.Lock()
@@ -248,11 +250,16 @@ class AsyncVllmEngine:
         return self.stager.partial_updates if self.stager is not None else 0
 
     async def start(self) -> None:
-        """Start the vLLM (or reach the served one), warm it up, and open its Aurora backend."""
-        await self.vllm.start()
-        await self._warm_up()
-        self.stager = Stager(set(await self.vllm.names()))
-        await self.vllm.init_transfer(str(self.stager.dir))
+        """Start the vLLM (or reach the served one), warm it up, and open its Aurora backend; on a failure
+        whatever was started is stopped."""
+        try:
+            await self.vllm.start()
+            await self._warm_up()
+            self.stager = Stager(set(await self.vllm.names()))
+            await self.vllm.init_transfer(str(self.stager.dir))
+        except BaseException:
+            await self.close()
+            raise
 
     async def _warm_up(self) -> None:
         """One short request on the directory's weights before any version: an engine's first step
@@ -315,6 +322,7 @@ class AsyncVllmEngine:
         assert self.stager is not None
         tag = _tag(update.version, staged.serial)
         self._checks[staged.serial] = asyncio.get_running_loop().create_future()
+        self._loaded[staged.serial] = update.version
         try:
             await self.vllm.load(self.stager.update_info(staged), tag)
             if self.spec.kv_on_switch == "recompute":
@@ -375,7 +383,10 @@ class AsyncVllmEngine:
                 await self.serving.wait()
                 continue
             got = await self._generate(ids, prompt, n)
-            loads = {load for s in got for _, load, _ in s[2]}
+            labels = {(v, load) for s in got for v, load, _ in s[2]}
+            if any(self._loaded.get(load) != v for v, load in labels):
+                raise EngineError(f"vLLM labelled tokens with loads {sorted(labels)}, not all of them this engine's")
+            loads = {load for _, load in labels}
             if all([await asyncio.shield(self._checks[load]) for load in sorted(loads)]):
                 return self._completion(prompt, ids, got)
             self.dropped += 1

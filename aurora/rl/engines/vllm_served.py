@@ -30,6 +30,9 @@ import asyncio
 import itertools
 import json
 import os
+import re
+import secrets
+import socket
 import sys
 import tempfile
 import time
@@ -41,6 +44,7 @@ import structlog
 
 from aurora import vllm_backend
 from aurora.config.rl import EngineSpec, ServeSpec
+from aurora.errors import EngineError
 from aurora.events import ENGINE_SERVER_LAUNCHED, ENGINE_SERVER_READY, ENGINE_SERVER_STOPPED
 from aurora.rl.engines.vllm_async import Made
 from aurora.rl.engines.vllm_engine import Entry
@@ -50,9 +54,14 @@ log = structlog.get_logger("aurora.rl.engines.vllm_served")
 
 MAX_ANSWER = 64 << 20
 """The most bytes of one answer read from the server."""
+CONTROL_S = 600.0
+"""The longest a control call (pause, an update's step, a check's digests) may go unanswered; a
+generation has no limit (a paused request waits for the switch; its lease bounds it upstream)."""
+TAG = re.compile(r"[0-9]{1,12}:[0-9]{1,12}")
+"""A weight-version tag as this engine sets it: ``"V:L"``."""
 
 
-class EngineServerError(RuntimeError):
+class EngineServerError(EngineError):
     """The server refused a call, failed, or answered what is not what was asked for."""
 
 
@@ -82,7 +91,16 @@ class _Generated(msgspec.Struct):
 
 
 class _Model(msgspec.Struct):
+    id: str
+
+
+class _Settings(msgspec.Struct):
+    logprobs_mode: str
+    prefix_caching: bool
+    dtype: str
+    seed: int | None
     max_model_len: int
+    tensor_parallel: int
 
 
 class _Models(msgspec.Struct):
@@ -126,23 +144,42 @@ class ServedVllm:
         self.proc: Process | None = None
         self.log_path: Path | None = None
         self._session: Any = None
+        self.name = f"aurora-{secrets.token_hex(6)}"
+        """The model name a server this rollout launched serves under (so that it knows the server is its own)."""
 
     async def start(self) -> None:
+        """Launch the server (``serve.launch``) or reach it, and check that it serves the engine's model as
+        the engine needs it (`_check_settings`); on any failure nothing is left behind (`close`)."""
         import aiohttp
 
-        if self.serve.launch:
-            self._launch()
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        await self._wait_healthy()
-        await self._check_model()
+        try:
+            if self.serve.launch:
+                self._launch()
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            await self._wait_healthy()
+            await self._check_settings()
+        except BaseException:
+            await self.close()
+            raise
 
     def _launch(self) -> None:
+        host, port = self.serve.host_port
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family) as probe:  # a server already there would answer for ours
+            try:
+                probe.bind((host.strip("[]"), port))
+            except OSError as e:
+                raise EngineServerError(
+                    f"cannot start a vllm serve at {self.url}: {e.strerror} (another server, or another rollout's, "
+                    "listens there: give each rollout on a host its own engine.serve.url)"
+                ) from None
         fd, name = tempfile.mkstemp(prefix="aurora-vllm-serve-", suffix=".log")
         self.log_path = Path(name)
         env = {**os.environ, **SERVE_ENV}
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        argv = [*serve_argv(self.spec, self.dir), "--served-model-name", self.name]
         with os.fdopen(fd, "wb") as out:
-            self.proc = start_child(serve_argv(self.spec, self.dir), env=env, stdout=out, stderr=out)
+            self.proc = start_child(argv, env=env, stdout=out, stderr=out)
         log.info(ENGINE_SERVER_LAUNCHED, url=self.url, pid=self.proc.pid, log=str(self.log_path))
 
     def _tail(self) -> str:
@@ -154,21 +191,27 @@ class ServedVllm:
             return ""
         return "\n".join(lines[-15:])
 
+    def _exited(self) -> EngineServerError | None:
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return EngineServerError(
+            f"vllm serve for {self.url} exited with {self.proc.returncode} (its log: {self.log_path}):\n{self._tail()}"
+        )
+
     async def _wait_healthy(self) -> None:
+        import aiohttp
+
         t0 = time.monotonic()
         deadline = t0 + self.serve.start_timeout_s
         while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineServerError(
-                    f"vllm serve for {self.url} exited with {self.proc.returncode} while starting "
-                    f"(its log: {self.log_path}):\n{self._tail()}"
-                )
+            if (gone := self._exited()) is not None:
+                raise gone
             try:
-                async with self._session.get(f"{self.url}/health") as r:
+                async with asyncio.timeout(5), self._session.get(f"{self.url}/health") as r:
                     if r.status == 200:
                         break
-            except OSError:
-                pass  # not listening yet
+            except (OSError, aiohttp.ClientError, TimeoutError):
+                pass  # not listening, or not answering, yet
             if time.monotonic() > deadline:
                 raise EngineServerError(
                     f"no vllm serve answered at {self.url}/health in {self.serve.start_timeout_s:g} s"
@@ -176,31 +219,75 @@ class ServedVllm:
             await asyncio.sleep(0.5)
         log.info(ENGINE_SERVER_READY, url=self.url, wait_s=round(time.monotonic() - t0, 1))
 
-    async def _check_model(self) -> None:
-        """The server serves a model as long as the engine's (a server started by hand may not)."""
-        async with self._session.get(f"{self.url}/v1/models") as r:
-            raw = await r.content.read(MAX_ANSWER)
+    async def _check_settings(self) -> None:
+        """The server is the one this rollout launched (its model name), and serves the engine's model as
+        the engine's results need it: the behaviour log-probabilities after temperature, prefix caching
+        only where ``kv_on_switch`` is ``recompute``, bf16, the engine's seed, length and parallelism (a
+        server started by hand may differ: refused, naming the setting)."""
+        if self.serve.launch:
+            raw = await self._get("/v1/models")
+            try:
+                ids = [m.id for m in msgspec.json.decode(raw, type=_Models).data]
+            except msgspec.ValidationError as e:
+                raise EngineServerError(f"/v1/models: {e}") from None
+            if ids != [self.name] or self._exited() is not None:
+                raise EngineServerError(f"the server answering at {self.url} is not the one this rollout started")
+        got = await self._rpc("aurora_settings")
         try:
-            models = msgspec.json.decode(raw, type=_Models).data
+            have = msgspec.convert(got, type=_Settings)
         except msgspec.ValidationError as e:
-            raise EngineServerError(f"/v1/models: {e}") from None
-        want = self.spec.the_model.max_positions
-        if len(models) != 1 or models[0].max_model_len != want:
-            got = [m.max_model_len for m in models]
+            raise EngineServerError(f"/collective_rpc aurora_settings: {e}") from None
+        want = _Settings(
+            logprobs_mode="processed_logprobs",
+            prefix_caching=self.spec.kv_on_switch == "recompute",
+            dtype="torch.bfloat16",
+            seed=self.spec.seed,
+            max_model_len=self.spec.the_model.max_positions,
+            tensor_parallel=self.spec.tensor_parallel,
+        )
+        wrong = [
+            f"{f} {getattr(have, f)!r} (the engine needs {getattr(want, f)!r})"
+            for f in want.__struct_fields__
+            if getattr(have, f) != getattr(want, f)
+        ]
+        if wrong:
             raise EngineServerError(
-                f"the vllm serve at {self.url} serves max_model_len {got}, the engine's model max_positions is "
-                f"{want} (start it as aurora topology check prints)"
+                f"the vllm serve at {self.url} does not serve as the engine needs: {'; '.join(wrong)} "
+                "(start it as aurora topology check prints)"
             )
 
-    async def _post(self, path: str, body: Any = None, **params: str) -> bytes:
-        async with self._session.post(f"{self.url}{path}", json=body, params=params or None) as r:
-            raw = await r.content.read(MAX_ANSWER + 1)
-            if len(raw) > MAX_ANSWER:
+    async def _read(self, r: Any, path: str) -> bytes:
+        """A whole answer, at most `MAX_ANSWER` bytes (read as it comes, never more than that kept)."""
+        parts, size = [], 0
+        while chunk := await r.content.readany():
+            size += len(chunk)
+            if size > MAX_ANSWER:
                 raise EngineServerError(f"{path}: the answer is over {MAX_ANSWER} bytes")
-            if r.status != 200:
-                text = raw[:500].decode(errors="replace")
-                raise EngineServerError(f"{path}: HTTP {r.status}: {text}")
-            return bytes(raw)
+            parts.append(chunk)
+        raw = b"".join(parts)
+        if r.status != 200:
+            raise EngineServerError(f"{path}: HTTP {r.status}: {raw[:500].decode(errors='replace')}")
+        return raw
+
+    async def _get(self, path: str) -> bytes:
+        async with asyncio.timeout(CONTROL_S), self._session.get(f"{self.url}{path}") as r:
+            return await self._read(r, path)
+
+    async def _post(self, path: str, body: Any = None, limit_s: float | None = CONTROL_S, **params: str) -> bytes:
+        """POST ``body`` as JSON; the answer (`_read`). A call not answered within ``limit_s`` (None: no
+        limit) is an `EngineServerError`, as is a server that went away."""
+        import aiohttp
+
+        try:
+            async with (
+                asyncio.timeout(limit_s),
+                self._session.post(f"{self.url}{path}", json=body, params=params or None) as r,
+            ):
+                return await self._read(r, path)
+        except TimeoutError:
+            raise EngineServerError(f"{path}: no answer from {self.url} in {limit_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise self._exited() or EngineServerError(f"{path}: {e!r}") from None
 
     async def _rpc(self, method: str, *args: str) -> Any:
         raw = await self._post("/collective_rpc", {"method": method, "args": list(args)})
@@ -247,7 +334,7 @@ class ServedVllm:
             raise EngineServerError(f"/collective_rpc aurora_digests_hex: {e}") from None
 
     async def generate(self, ids: list[int], fields: dict[str, Any]) -> list[Made]:
-        raw = await self._post("/inference/v1/generate", {"token_ids": ids, "sampling_params": fields})
+        raw = await self._post("/inference/v1/generate", {"token_ids": ids, "sampling_params": fields}, limit_s=None)
         try:
             choices = msgspec.json.decode(raw, type=_Generated).choices
         except msgspec.ValidationError as e:
@@ -276,6 +363,8 @@ def _made(c: _Choice, max_tokens: int) -> Made:
     if any(lp.token_id != t for lp, t in zip(content, toks, strict=True)):
         raise EngineServerError("/inference/v1/generate: a log-probability is not of its sample's token")
     spans = [(s.version, s.start) for s in c.weight_versions or []]
+    if not all(TAG.fullmatch(v) for v, _ in spans):
+        raise EngineServerError("/inference/v1/generate: a weight-version tag this engine never set")
     starts = [s for _, s in spans]
     ordered = all(b > a for a, b in itertools.pairwise(starts))
     if spans and (starts[0] != 0 or not ordered or starts[-1] >= len(toks)):
