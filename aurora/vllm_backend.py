@@ -121,13 +121,15 @@ def _whole(mod: Any, leaf: str, local: torch.Tensor) -> tuple[torch.Tensor, list
     from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    local_parts = list(getattr(mod, "output_partition_sizes", None) or [])
-    fused = isinstance(mod, ColumnParallelLinear) and len(local_parts) > 1
-    tp = get_tensor_model_parallel_world_size()
+    local_parts = list(getattr(mod, "output_partition_sizes", None) or getattr(mod, "output_sizes", None) or [])
+    fused = len(local_parts) > 1
+    tp = int(getattr(mod, "tp_size", get_tensor_model_parallel_world_size()))  # 1: a layer vLLM did not shard
     column = isinstance(mod, ColumnParallelLinear) and leaf in ("weight", "bias")
     row = isinstance(mod, RowParallelLinear) and leaf == "weight"
     vocab = isinstance(mod, VocabParallelEmbedding) and leaf == "weight"
     if tp == 1 or not (column or row or vocab):
+        if vocab:  # the padded rows past the vocabulary are not the checkpoint's
+            local = local[: int(mod.org_vocab_size)]
         return local, (local_parts if fused else None)
     ranks = list(tensor_model_parallel_all_gather(local.unsqueeze(0).contiguous(), dim=0).unbind(0))
     if vocab:

@@ -69,6 +69,13 @@ def test_two_ranks_train_as_one_does_on_half_the_state_each(tiny: Path, tmp_path
         resumed = load_file(out)
         assert all(torch.equal(resumed[n], want[n]) for n in want)
 
+    # with no checkpoint, two ranks resume from the stored (bf16) version rank 0 holds: each takes its shards
+    out = tmp_path / "from-version.safetensors"
+    _job(2, tiny, out, "--steps", "0", "--resume", "0", "--warm-start", "0")
+    stored = load_file(tiny / "model.safetensors")
+    resumed = load_file(out)
+    assert all(torch.equal(resumed[n], stored[n].float()) for n in resumed)
+
 
 def test_a_checkpoint_of_another_model_is_refused_with_its_directory(tiny: Path, tmp_path: Path) -> None:
     _job(1, tiny, tmp_path / "one.safetensors", "--steps", "1", "--checkpoints", str(tmp_path / "ck"))

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from aurora.codec import Weights
 from aurora.config.rl import GrpoSpec, ModelSpec
-from aurora.errors import ConfigError
+from aurora.errors import ConfigError, LearnerError
 from aurora.rl.algos import clip_fraction, clipped_surrogate, group_advantages, k3_kl
 from aurora.rl.evaluate import Evaluator
 from aurora.rl.learners.base import LearnerContext, bf16_weights
@@ -191,19 +191,24 @@ class GrpoLearner:
     def weights(self) -> Weights:
         """The bf16 cast of the master weights: the next version. Raises `LearnerError` rather than
         return one with a non-finite value."""
-        self.ranks.command("weights")
-        return self._weights()
+        with self.ranks.lockstep(LearnerError):
+            self.ranks.command("weights")
+            return self._weights()
 
     def master(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights, whole (tests, diagnostics)."""
-        self.ranks.command("master")
-        return {n: t.detach().clone() for n, t in self.ranks.full(self.params).items()}
+        with self.ranks.lockstep():
+            self.ranks.command("master")
+            return {n: t.detach().clone() for n, t in self.ranks.full(self.params).items()}
 
     def _weights(self) -> Weights:
-        """`weights` on every rank at once (the version is gathered from every rank's shards; a follower
-        gets it too, and drops it)."""
+        """`weights` on every rank at once: the version gathered from every rank's shards onto rank 0,
+        tensor by tensor (a follower returns the last version it knows of: none)."""
         self._made = True
-        self._published = bf16_weights(self.ranks.full(self.params), f"version {self.version}")
+        full = self.ranks.full(self.params)
+        if self.ranks.rank > 0:
+            return cast(Weights, self._published)
+        self._published = bf16_weights(full, f"version {self.version}")
         return self._published
 
     def _reward_errors(self) -> int:
@@ -231,8 +236,9 @@ class GrpoLearner:
         return int(self.model.get_input_embeddings().num_embeddings)
 
     def initial(self) -> Weights:
-        self.ranks.command("initial")
-        return self._initial()
+        with self.ranks.lockstep(LearnerError):
+            self.ranks.command("initial")
+            return self._initial()
 
     def _initial(self) -> Weights:
         if self.spec.warm_start_steps:
@@ -245,16 +251,17 @@ class GrpoLearner:
         """Continue after ``version`` (the store's latest): from the newest checkpoint at or before it,
         else from its weights with a fresh optimiser (rank 0 decides; every rank loads)."""
         ckpt = self._latest_checkpoint(version)
-        self.ranks.command("restore", version, ckpt)
-        self._restore(version, ckpt, weights)
+        with self.ranks.lockstep():
+            self.ranks.command("restore", version, ckpt)
+            self._restore(version, ckpt, weights)
 
     def _restore(self, version: int, ckpt: tuple[int, Path] | None, weights: Weights | None = None) -> None:
         self._published, self._made = None, False
         if ckpt is None:
-            tensors = self.ranks.same(weights.to_tensors() if weights is not None else None)
-            if set(tensors) != set(self.params):
+            fits = self.ranks.same(weights is not None and set(weights.to_tensors()) == set(self.params))
+            if not fits:
                 raise ConfigError("the stored weights do not fit the model (different tensors)", path="model")
-            self._load_master(tensors)
+            self._load_master(weights.to_tensors() if weights is not None else {})
             log.warning(
                 "learner_restored_without_checkpoint",
                 version=version,
@@ -277,7 +284,7 @@ class GrpoLearner:
         self.version = version
 
     def _load_master(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The master weights from whole tensors (every rank takes its shards)."""
+        """The master weights from whole tensors on rank 0 (each rank takes its shards, sent from rank 0)."""
         if self.ranks.size == 1:
             with torch.no_grad():
                 for n, p in self.params.items():
@@ -286,7 +293,8 @@ class GrpoLearner:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full: dict[str, Any] = {n: t.to(torch.float32) for n, t in tensors.items()}
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
 
     def _set_reference(self) -> None:
         if self.spec.kl_coef > 0:
@@ -393,8 +401,9 @@ class GrpoLearner:
         scored = [self._score(prompt, comp) for prompt, comp in batch]
         score_s = time.monotonic() - t0
         rows = [row for sc in scored if sc.train for row in sc.rows]
-        self.ranks.command("advance", rows)
-        train, version = self._advance(rows)
+        with self.ranks.lockstep(LearnerError):
+            self.ranks.command("advance", rows)
+            train, version = self._advance(rows)
         rewards = [r for sc in scored for r in sc.rewards]
         n = max(1, len(rewards))
         stale = [self.version - 1 - comp.version for _, comp in batch]

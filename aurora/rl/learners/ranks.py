@@ -14,7 +14,9 @@ collective the identity: a learner of one rank computes exactly what it did
 before ranks existed.
 
 Invariants: only rank 0 issues commands (`command`), and a follower runs each
-one whole before it takes the next; a rank's share of a step's rows is
+one whole before it takes the next; a rank that fails inside a command ends the
+job (a follower by its exception, rank 0 by `lockstep`), so no rank is ever left
+waiting in a collective that another will not enter; a rank's share of a step's rows is
 ``rows[rank::size]``, every rank gets at least one row while there are any
 (a rank that would get none trains on a row weighted 0), and the weights of a
 row sum to the step's whole (`share`); the process group's timeout is long
@@ -28,7 +30,7 @@ import atexit
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -128,12 +130,19 @@ class Ranks:
                 mod.reshard()
 
     def full(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every parameter whole (a collective: every rank gets them)."""
+        """Every parameter whole, on rank 0 (a collective; a follower gets nothing). Gathered one tensor
+        at a time and moved to the CPU, so no rank holds more than one whole tensor beside its shards."""
         if self.size == 1:
             return params
         from torch.distributed.tensor import DTensor
 
-        return {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in params.items()}
+        out = {}
+        for n, p in params.items():
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            if self.rank == 0:
+                out[n] = whole.detach().to("cpu", copy=True)
+            del whole
+        return out
 
     @staticmethod
     def local(t: torch.Tensor) -> torch.Tensor:
@@ -186,6 +195,21 @@ class Ranks:
         return box[0]
 
     # -- driving
+    @contextlib.contextmanager
+    def lockstep(self, *safe: type[BaseException]) -> Iterator[None]:
+        """Around rank 0's part of a command: an exception there (other than one of ``safe``, raised only
+        once every rank is done with the command) would leave the followers inside a collective that
+        rank 0 never enters, so it ends this process at once and the launcher ends and restarts the job."""
+        try:
+            yield
+        except safe:
+            raise
+        except BaseException as e:
+            if self.size == 1:
+                raise
+            log.error("rank_failed", rank=self.rank, error=repr(e), detail="the job ends: the launcher starts it again")
+            os._exit(1)
+
     def command(self, name: str, *args: Any) -> None:
         """Rank 0: tell the followers to run ``name`` with ``args`` (they then enter what rank 0 enters)."""
         if self.size > 1:
