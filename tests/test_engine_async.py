@@ -160,9 +160,11 @@ def test_a_switch_in_the_middle_of_generation_labels_each_token_with_its_version
     async def go() -> list[Completion]:
         host = versions[0].copy()
         await engine.apply(WeightUpdate(0, host.digest(), host, None))
+        await engine._last_check
+        update = _delta(host, versions[0], versions[1], 1)  # made first: nothing but the switch after the probe
         running = [asyncio.ensure_future(engine.complete(Prompt(i, f"{i}+{i}="), 2)) for i in range(3)]
         await _first_tokens(engine)
-        await engine.apply(_delta(host, versions[0], versions[1], 1))  # pause (keep), load, resume
+        await engine.apply(update)  # pause (keep), load, resume
         done = await asyncio.gather(*running)
         await engine._last_check
         return done

@@ -113,7 +113,10 @@ class VllmClient(Protocol):
     async def load(self, update_info: dict[str, Any], tag: str) -> None: ...
     async def reset_running_kv(self) -> None: ...
     async def digests(self, name: str) -> dict[str, Entry]: ...
-    async def generate(self, ids: list[int], fields: dict[str, Any]) -> list[Made]: ...
+    async def generate(self, ids: list[int], fields: dict[str, Any], *, labelled: bool = True) -> list[Made]:
+        """``fields``' samples of ``ids``; ``labelled`` False: made before any version (their labels unused)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -176,7 +179,7 @@ class InProcessVllm:
         got = (await self.llm.collective_rpc("aurora_digests", args=(name,)))[0]
         return {n: (dt, tuple(shape), d) for n, (dt, shape, d) in got.items()}
 
-    async def generate(self, ids: list[int], fields: dict[str, Any]) -> list[Made]:
+    async def generate(self, ids: list[int], fields: dict[str, Any], *, labelled: bool = True) -> list[Made]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -268,7 +271,7 @@ class AsyncVllmEngine:
         # as a rollout's requests are (seeded, several samples, log-probabilities)
         fields = {"n": 2, "temperature": 1.0, "max_tokens": 2, "logprobs": 0, "seed": 0}
         t0 = time.perf_counter()
-        await self.vllm.generate([0, 1], fields)
+        await self.vllm.generate([0, 1], fields, labelled=False)
         log.info("engine_warmed_up", warm_up_ms=round((time.perf_counter() - t0) * 1e3, 1))
 
     async def close(self) -> None:

@@ -333,7 +333,7 @@ class ServedVllm:
         except (msgspec.ValidationError, ValueError) as e:
             raise EngineServerError(f"/collective_rpc aurora_digests_hex: {e}") from None
 
-    async def generate(self, ids: list[int], fields: dict[str, Any]) -> list[Made]:
+    async def generate(self, ids: list[int], fields: dict[str, Any], *, labelled: bool = True) -> list[Made]:
         raw = await self._post("/inference/v1/generate", {"token_ids": ids, "sampling_params": fields}, limit_s=None)
         try:
             choices = msgspec.json.decode(raw, type=_Generated).choices
@@ -341,6 +341,8 @@ class ServedVllm:
             raise EngineServerError(f"/inference/v1/generate: {e}") from None
         if len(choices) != fields["n"]:
             raise EngineServerError(f"/inference/v1/generate: {len(choices)} samples, asked for {fields['n']}")
+        if not labelled:  # before any version is loaded: vLLM labels tokens "default"
+            choices = [msgspec.structs.replace(c, weight_versions=None) for c in choices]
         return [_made(c, fields["max_tokens"]) for c in choices]
 
     async def close(self) -> None:
