@@ -6,6 +6,7 @@ answers other callers. vLLM's own server with Aurora's weight-transfer backend l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 from aurora.config.rl import EngineSpec, ModelSpec, ServeSpec, SyntheticSpec
 from aurora.events import ENGINE_CHECKED, ENGINE_SERVER_LAUNCHED, ENGINE_SERVER_STOPPED
 from aurora.rl.engines import WeightUpdate, make_engine
+from aurora.rl.engines.vllm_served import EngineServerError
 from aurora.rl.learners.synthetic import SyntheticLearner
 from aurora.rl.model import init_model_dir
 from aurora.rl.types import Prompt
@@ -87,11 +89,10 @@ def test_a_rollout_feeds_a_vllm_serve_its_user_started_while_others_use_its_api(
 
     model = ModelSpec(path=str(init_model_dir(tmp_path / "tiny", "tiny", seed=3)))
     (port,) = free_ports(1)
-    spec = EngineSpec(
+    spec = EngineSpec(  # the topology's engine (its seed 0, the server's)
         kind="vllm",
         model=model,
         max_new_tokens=8,
-        seed=5,
         serve=ServeSpec(url=f"http://127.0.0.1:{port}", launch=False),
     )
     topo = _topology(tmp_path, f'{{url: "http://127.0.0.1:{port}", launch: false}}', f"{{path: {model.path}}}")
@@ -137,8 +138,14 @@ def test_a_rollout_feeds_a_vllm_serve_its_user_started_while_others_use_its_api(
         finally:
             await engine.close()
 
+    async def refused() -> None:  # a server that does not serve as the engine needs is refused, naming why
+        engine = make_engine(dataclasses.replace(spec, seed=5))
+        with pytest.raises(EngineServerError, match=r"seed 0 \(the engine needs 5\)"):
+            await engine.start()
+
     try:
         asyncio.run(go())
+        asyncio.run(refused())
         assert server.poll() is None  # the rollout leaves a server it did not start running
     finally:
         end_group(server, grace_s=10.0)
