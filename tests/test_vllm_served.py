@@ -125,3 +125,12 @@ def test_a_long_answer_is_read_whole_and_a_strange_tag_refused(tag: str, ok: boo
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_an_answer_that_is_not_json_is_the_servers_error() -> None:
+    from aurora.rl.engines.vllm_served import _decode, _Generated
+
+    with pytest.raises(EngineServerError, match="/inference/v1/generate"):
+        _decode(b"<html>502 Bad Gateway</html>", _Generated, "/inference/v1/generate")
+    with pytest.raises(EngineServerError, match="aurora_names"):
+        _decode({"not": "a list"}, list[str], "/collective_rpc aurora_names")

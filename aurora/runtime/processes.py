@@ -59,8 +59,7 @@ def start_child(argv: Sequence[str], **popen: Any) -> Process:
             if os.getppid() != parent:  # the parent died before that took effect
                 os._exit(1)
 
-    p: Process = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent, **popen)
-    return p
+    return start_group(argv, preexec_fn=die_with_parent, **popen)
 
 
 def end_child(p: Process, *, grace_s: float = 0.0) -> None:

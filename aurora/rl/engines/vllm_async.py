@@ -176,8 +176,7 @@ class InProcessVllm:
         await self.llm.reset_prefix_cache(reset_running_requests=True)
 
     async def digests(self, name: str) -> dict[str, Entry]:
-        got = (await self.llm.collective_rpc("aurora_digests", args=(name,)))[0]
-        return {n: (dt, tuple(shape), d) for n, (dt, shape, d) in got.items()}
+        return dict((await self.llm.collective_rpc("aurora_digests", args=(name,)))[0])  # `Stager.record` normalises
 
     async def generate(self, ids: list[int], fields: dict[str, Any], *, labelled: bool = True) -> list[Made]:
         from vllm import SamplingParams
@@ -224,9 +223,9 @@ class AsyncVllmEngine:
         self.stager: Stager | None = None
         self._tag = ""
         self._checks: dict[int, asyncio.Future[bool]] = {}
+        """Load serial -> its check: True passed, False failed (its results are dropped)."""
         self._loaded: dict[int, int] = {}
         """Load serial -> the version it loaded (a sample's labels must name one of these)."""
-        """Load serial -> its check: True passed, False failed (its results are dropped)."""
         self._last_check: asyncio.Task[None] | None = None
         self._switch = asyncio.Lock()
         self._host: WeightUpdate | None = None

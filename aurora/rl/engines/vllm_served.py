@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -109,6 +109,20 @@ class _Models(msgspec.Struct):
 
 class _Results(msgspec.Struct):
     results: list[Any]
+
+
+T = TypeVar("T")
+
+
+def _decode(answer: bytes | object, into: type[T], where: str) -> T:
+    """A server's answer (JSON bytes, or a value already decoded) as ``into``, or an `EngineServerError`
+    naming ``where`` (malformed JSON included)."""
+    try:
+        if isinstance(answer, bytes):
+            return msgspec.json.decode(answer, type=into)
+        return msgspec.convert(answer, type=into)
+    except msgspec.DecodeError as e:  # ValidationError is one
+        raise EngineServerError(f"{where}: {e}") from None
 
 
 def serve_argv(spec: EngineSpec, model_dir: str, *, python: str = sys.executable) -> list[str]:
@@ -225,18 +239,10 @@ class ServedVllm:
         only where ``kv_on_switch`` is ``recompute``, bf16, the engine's seed, length and parallelism (a
         server started by hand may differ: refused, naming the setting)."""
         if self.serve.launch:
-            raw = await self._get("/v1/models")
-            try:
-                ids = [m.id for m in msgspec.json.decode(raw, type=_Models).data]
-            except msgspec.ValidationError as e:
-                raise EngineServerError(f"/v1/models: {e}") from None
+            ids = [m.id for m in _decode(await self._request("GET", "/v1/models"), _Models, "/v1/models").data]
             if ids != [self.name] or self._exited() is not None:
                 raise EngineServerError(f"the server answering at {self.url} is not the one this rollout started")
-        got = await self._rpc("aurora_settings")
-        try:
-            have = msgspec.convert(got, type=_Settings)
-        except msgspec.ValidationError as e:
-            raise EngineServerError(f"/collective_rpc aurora_settings: {e}") from None
+        have = _decode(await self._rpc("aurora_settings"), _Settings, "/collective_rpc aurora_settings")
         want = _Settings(
             logprobs_mode="processed_logprobs",
             prefix_caching=self.spec.kv_on_switch == "recompute",
@@ -269,19 +275,17 @@ class ServedVllm:
             raise EngineServerError(f"{path}: HTTP {r.status}: {raw[:500].decode(errors='replace')}")
         return raw
 
-    async def _get(self, path: str) -> bytes:
-        async with asyncio.timeout(CONTROL_S), self._session.get(f"{self.url}{path}") as r:
-            return await self._read(r, path)
-
-    async def _post(self, path: str, body: Any = None, limit_s: float | None = CONTROL_S, **params: str) -> bytes:
-        """POST ``body`` as JSON; the answer (`_read`). A call not answered within ``limit_s`` (None: no
+    async def _request(
+        self, method: str, path: str, body: Any = None, limit_s: float | None = CONTROL_S, **params: str
+    ) -> bytes:
+        """One call (``body`` as JSON); the answer (`_read`). A call not answered within ``limit_s`` (None: no
         limit) is an `EngineServerError`, as is a server that went away."""
         import aiohttp
 
         try:
             async with (
                 asyncio.timeout(limit_s),
-                self._session.post(f"{self.url}{path}", json=body, params=params or None) as r,
+                self._session.request(method, f"{self.url}{path}", json=body, params=params or None) as r,
             ):
                 return await self._read(r, path)
         except TimeoutError:
@@ -289,24 +293,19 @@ class ServedVllm:
         except aiohttp.ClientError as e:
             raise self._exited() or EngineServerError(f"{path}: {e!r}") from None
 
+    async def _post(self, path: str, body: Any = None, limit_s: float | None = CONTROL_S, **params: str) -> bytes:
+        return await self._request("POST", path, body, limit_s, **params)
+
     async def _rpc(self, method: str, *args: str) -> Any:
         raw = await self._post("/collective_rpc", {"method": method, "args": list(args)})
-        try:
-            results = msgspec.json.decode(raw, type=_Results).results
-        except msgspec.ValidationError as e:
-            raise EngineServerError(f"/collective_rpc {method}: {e}") from None
+        results = _decode(raw, _Results, f"/collective_rpc {method}").results
         if not results:
             raise EngineServerError(f"/collective_rpc {method}: no worker answered")
         return results[0]
 
     async def names(self) -> list[str]:
-        got = await self._rpc("aurora_names")
-        if not isinstance(got, list) or not all(isinstance(n, str) for n in got):
-            raise EngineServerError(
-                "/collective_rpc aurora_names: not a list of names (was the server started with "
-                f"--worker-extension-cls {vllm_backend.EXTENSION}?)"
-            )
-        return got
+        where = f"/collective_rpc aurora_names (was the server started with --worker-extension-cls {vllm_backend.EXTENSION}?)"
+        return _decode(await self._rpc("aurora_names"), list[str], where)
 
     async def init_transfer(self, staging: str) -> None:
         await self._post("/init_weight_transfer_engine", {"init_info": {"staging": staging}})
@@ -326,19 +325,16 @@ class ServedVllm:
         await self._post("/reset_prefix_cache", reset_running_requests="true")
 
     async def digests(self, name: str) -> dict[str, Entry]:
-        got = await self._rpc("aurora_digests_hex", name)
+        where = "/collective_rpc aurora_digests_hex"
+        entries = _decode(await self._rpc("aurora_digests_hex", name), dict[str, tuple[str, list[int], str]], where)
         try:
-            entries = msgspec.convert(got, type=dict[str, tuple[str, list[int], str]])
             return {n: (dt, tuple(shape), bytes.fromhex(h)) for n, (dt, shape, h) in entries.items()}
-        except (msgspec.ValidationError, ValueError) as e:
-            raise EngineServerError(f"/collective_rpc aurora_digests_hex: {e}") from None
+        except ValueError as e:  # not hex
+            raise EngineServerError(f"{where}: {e}") from None
 
     async def generate(self, ids: list[int], fields: dict[str, Any], *, labelled: bool = True) -> list[Made]:
         raw = await self._post("/inference/v1/generate", {"token_ids": ids, "sampling_params": fields}, limit_s=None)
-        try:
-            choices = msgspec.json.decode(raw, type=_Generated).choices
-        except msgspec.ValidationError as e:
-            raise EngineServerError(f"/inference/v1/generate: {e}") from None
+        choices = _decode(raw, _Generated, "/inference/v1/generate").choices
         if len(choices) != fields["n"]:
             raise EngineServerError(f"/inference/v1/generate: {len(choices)} samples, asked for {fields['n']}")
         if not labelled:  # before any version is loaded: vLLM labels tokens "default"

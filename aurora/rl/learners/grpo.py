@@ -258,10 +258,10 @@ class GrpoLearner:
     def _restore(self, version: int, ckpt: tuple[int, Path] | None, weights: Weights | None = None) -> None:
         self._published, self._made = None, False
         if ckpt is None:
-            fits = self.ranks.same(weights is not None and set(weights.to_tensors()) == set(self.params))
-            if not fits:
+            tensors = weights.to_tensors() if weights is not None else {}  # rank 0's; a follower's are sent
+            if not self.ranks.same(set(tensors) == set(self.params)):
                 raise ConfigError("the stored weights do not fit the model (different tensors)", path="model")
-            self._load_master(weights.to_tensors() if weights is not None else {})
+            self._load_master(tensors)
             log.warning(
                 "learner_restored_without_checkpoint",
                 version=version,
@@ -320,7 +320,8 @@ class GrpoLearner:
             packed = self._pack(seqs, starts)
             logp = self._logp(self.model, packed, temperature=1.0)
             tokens = packed.targets.sum()
-            loss = self._scaled(-(logp * packed.targets).sum() / tokens, float(tokens), weight, self._tokens(batch))
+            total = self.ranks.sum(float(tokens) * weight)  # the batch's answer tokens, every rank's share
+            loss = self._scaled(-(logp * packed.targets).sum() / tokens, float(tokens), weight, total)
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             self.ranks.settle(self.model)
@@ -334,13 +335,6 @@ class GrpoLearner:
                     loss=round(self.ranks.sum(float(loss.detach())) / self.ranks.size, 4),
                     elapsed_s=round(time.monotonic() - t0, 1),
                 )
-
-    def _tokens(self, prompts: Sequence[Prompt]) -> float:
-        """The answer tokens a warm-start batch trains on, over every rank's share (each rank knows the
-        whole batch)."""
-        if self.ranks.size == 1:
-            return 0.0  # unused: one rank's share is the whole
-        return float(sum(len(self.tok.hf(p.answer, add_special_tokens=False)["input_ids"]) + 1 for p in prompts))
 
     def _scaled(self, loss: torch.Tensor, local: float, weight: float, total: float) -> torch.Tensor:
         """A rank's mean loss over its ``local`` tokens as its part of the step's mean over all ``total``:
